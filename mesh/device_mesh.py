@@ -1,0 +1,195 @@
+"""DeviceMesh: an n-d array of ranks with one process group per mesh dim.
+
+Groups for every mesh dim (and for every set of two or more mesh dims, used by
+fused collectives that span several dims at once) are created when the mesh is
+built, never later: creation is collective and slow, lookups are a dict access.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from shardprop.mesh import groups as _groups
+
+DimRef = Union[int, str]
+
+
+def _combos(ndim: int) -> List[Tuple[int, ...]]:
+    """Every set of mesh dims that gets a group: singles, and larger sets for ndim <= 3."""
+    out = [(d,) for d in range(ndim)]
+    sizes = range(2, ndim + 1) if ndim <= 3 else [ndim]
+    for k in sizes:
+        out.extend(itertools.combinations(range(ndim), k))
+    return out
+
+
+def _rank_lists(mesh: torch.Tensor, dims: Tuple[int, ...]) -> List[List[int]]:
+    """All rank lists along ``dims`` (flattened row-major), one per coordinate of the other dims."""
+    others = [d for d in range(mesh.ndim) if d not in dims]
+    moved = mesh.permute(*others, *dims).reshape(-1, *[mesh.shape[d] for d in dims])
+    return [row.flatten().tolist() for row in moved]
+
+
+class DeviceMesh:
+    """An n-d mesh of ranks, with its process groups created eagerly.
+
+    Example:
+        >>> mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))  # doctest: +SKIP
+        >>> mesh["tp"].size()  # doctest: +SKIP
+        2
+    """
+
+    def __init__(self, device_type: str, mesh, mesh_dim_names: Optional[Sequence[str]] = None, *, _parent=None):
+        self.device_type = device_type
+        self.mesh = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
+        if self.mesh.ndim == 0:
+            self.mesh = self.mesh.reshape(1)
+        self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+        self._validate()
+        self._flat = tuple(self.mesh.flatten().tolist())
+        self._hash = hash((device_type, self._flat, tuple(self.mesh.shape), self.mesh_dim_names))
+        me = dist.get_rank()
+        where = (self.mesh == me).nonzero()
+        self._coord: Optional[Tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
+        # dims tuple -> (group, ranks of my group in mesh order); None where this rank is absent.
+        self._groups: Dict[Tuple[int, ...], Tuple[Optional[dist.ProcessGroup], List[int]]] = {}
+        backend = _groups.backend_for(device_type)
+        for dims in _combos(self.mesh.ndim):
+            lists = _rank_lists(self.mesh, dims)
+            if _parent is None:
+                group = _groups.create_groups(lists, backend)
+            else:  # a slice reuses its parent's groups and never creates one
+                group = next((_groups._group_cache.get((backend, tuple(l))) for l in lists if me in l), None)
+                if group is None and len(dims) > 1:
+                    continue
+            mine = next((l for l in lists if me in l), [])
+            self._groups[dims] = (group, mine)
+
+    def _validate(self) -> None:
+        flat = self.mesh.flatten().tolist()
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"DeviceMesh: ranks must be unique, got {self.mesh.tolist()}")
+        if self.mesh_dim_names is not None:
+            if len(self.mesh_dim_names) != self.mesh.ndim:
+                raise ValueError(
+                    f"DeviceMesh: {len(self.mesh_dim_names)} dim names {self.mesh_dim_names} "
+                    f"for a {self.mesh.ndim}-d mesh"
+                )
+            if len(set(self.mesh_dim_names)) != len(self.mesh_dim_names):
+                raise ValueError(f"DeviceMesh: duplicate dim names {self.mesh_dim_names}")
+        if not dist.is_initialized():
+            raise RuntimeError("DeviceMesh: torch.distributed is not initialised; use init_device_mesh")
+        bad = [r for r in flat if r < 0 or r >= dist.get_world_size()]
+        if bad:
+            raise ValueError(f"DeviceMesh: ranks {bad} are outside the world of size {dist.get_world_size()}")
+
+    # ---- identity -------------------------------------------------------------
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DeviceMesh) or self._hash != other._hash:
+            return False
+        return (self.device_type, self._flat, self.mesh.shape, self.mesh_dim_names) == (
+            other.device_type, other._flat, other.mesh.shape, other.mesh_dim_names)
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+    # ---- shape ----------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        """Number of mesh dims."""
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """Mesh shape, e.g. ``(2, 2)``."""
+        return tuple(self.mesh.shape)
+
+    def size(self, dim: Optional[DimRef] = None) -> int:
+        """Number of ranks in the mesh, or along one mesh dim.
+
+        Example:
+            >>> mesh.size(), mesh.size("tp")  # doctest: +SKIP
+            (4, 2)
+        """
+        if dim is None:
+            return self.mesh.numel()
+        return self.mesh.shape[self.dim_index(dim)]
+
+    def dim_index(self, dim: DimRef) -> int:
+        """Resolve a mesh dim given by name or (possibly negative) index."""
+        if isinstance(dim, str):
+            if not self.mesh_dim_names or dim not in self.mesh_dim_names:
+                raise KeyError(f"DeviceMesh: no mesh dim named {dim!r}; dims are {self.mesh_dim_names}")
+            return self.mesh_dim_names.index(dim)
+        if not -self.ndim <= dim < self.ndim:
+            raise IndexError(f"DeviceMesh: mesh dim {dim} out of range for a {self.ndim}-d mesh")
+        return dim % self.ndim
+
+    # ---- this rank ------------------------------------------------------------
+    def get_coordinate(self) -> Optional[List[int]]:
+        """This rank's coordinate in the mesh, or None if it is not in it."""
+        return list(self._coord) if self._coord is not None else None
+
+    def get_rank(self) -> int:
+        """This rank's global rank."""
+        return dist.get_rank()
+
+    def get_local_rank(self, dim: DimRef = 0) -> int:
+        """This rank's index along one mesh dim."""
+        return self._coord[self.dim_index(dim)]
+
+    def get_group(self, dim: DimRef = 0) -> dist.ProcessGroup:
+        """The process group along one mesh dim (created with the mesh)."""
+        return self._groups[(self.dim_index(dim),)][0]
+
+    def group_for(self, dims: Tuple[int, ...]):
+        """(group, ranks) spanning a sorted tuple of mesh dims, or None if not available."""
+        return self._groups.get(dims)
+
+    # ---- slicing --------------------------------------------------------------
+    def __getitem__(self, names: Union[str, Tuple[str, ...]]) -> "DeviceMesh":
+        """Sub-mesh over the named dims through this rank, e.g. ``mesh["tp"]``.
+
+        Example:
+            >>> mesh["dp", "tp"]  # doctest: +SKIP
+        """
+        if isinstance(names, str):
+            names = (names,)
+        dims = [self.dim_index(n) for n in names]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"DeviceMesh: repeated dims in {names}")
+        if self._coord is None:
+            raise RuntimeError(f"DeviceMesh: rank {dist.get_rank()} is not in {self}")
+        index = tuple(slice(None) if d in dims else self._coord[d] for d in range(self.ndim))
+        sub = self.mesh[index]
+        kept = [d for d in range(self.ndim) if d in dims]
+        sub = sub.permute(*[kept.index(d) for d in dims])
+        return DeviceMesh(self.device_type, sub, tuple(names) if self.mesh_dim_names else None, _parent=self)
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """Build a mesh over all ranks, initialising the default group from the environment if needed.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # doctest: +SKIP
+    """
+    _groups.ensure_default_group(device_type)
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    world = dist.get_world_size()
+    if n != world:
+        raise ValueError(f"init_device_mesh: mesh shape {mesh_shape} has {n} ranks but the world size is {world}")
+    if device_type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    return DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), mesh_dim_names)

@@ -1,0 +1,105 @@
+"""Process groups: default-group start-up, timeouts, and one cache of sub-groups.
+
+Communicator creation is expensive and collective (every rank must take part, in
+the same order), so groups are created once, eagerly, when a mesh is built, and
+kept in a cache keyed by their rank list. Later meshes over the same ranks reuse
+them; nothing creates a group lazily inside a collective call.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+_DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDPROP_COLLECTIVE_TIMEOUT", "300"))
+_timeout = datetime.timedelta(seconds=_DEFAULT_TIMEOUT_S)
+
+# (backend, ranks) -> ProcessGroup, or None on ranks outside the group.
+_group_cache: Dict[Tuple[str, Tuple[int, ...]], Optional[dist.ProcessGroup]] = {}
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Set the timeout of process groups created from now on.
+
+    A collective that a peer never joins (it died, or diverged) fails after this
+    long instead of hanging.
+
+    Example:
+        >>> set_collective_timeout(30)
+    """
+    global _timeout
+    _timeout = datetime.timedelta(seconds=float(seconds))
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout given to new process groups and to explicit waits.
+
+    Example:
+        >>> collective_timeout().total_seconds() > 0
+        True
+    """
+    return _timeout
+
+
+def backend_for(device_type: str) -> str:
+    """The c10d backend we use for a device type: NCCL on CUDA, gloo otherwise.
+
+    Example:
+        >>> backend_for("cpu")
+        'gloo'
+    """
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def ensure_default_group(device_type: str) -> None:
+    """Initialise the default process group from the environment if needed.
+
+    Reuses an existing default group. On CUDA the group is initialised eagerly
+    with ``device_id`` so sub-groups can be split from its communicator.
+
+    Example:
+        >>> ensure_default_group("cpu")  # doctest: +SKIP
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "shardprop: the default process group is not initialised and the environment "
+            f"lacks {missing}; launch with torchrun or call torch.distributed.init_process_group first"
+        )
+    kwargs = {}
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend=backend_for(device_type), timeout=_timeout, **kwargs)
+
+
+def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Optional[dist.ProcessGroup]:
+    """Create (or reuse) one group per rank list; return the one holding this rank.
+
+    Every rank must call this with the same lists in the same order: group
+    creation is collective over the default group. On NCCL the lists (one
+    partition of the ranks) are split from the default communicator in one call.
+
+    Example:
+        >>> create_groups([[0, 1], [2, 3]], "gloo")  # doctest: +SKIP
+    """
+    me = dist.get_rank()
+    keys = [(backend, tuple(int(r) for r in ranks)) for ranks in all_rank_lists]
+    todo = [k for k in keys if k not in _group_cache]
+    if todo and backend == "nccl" and hasattr(dist, "split_group"):
+        split = dist.split_group(split_ranks=[list(k[1]) for k in todo], timeout=_timeout)
+        for k in todo:
+            _group_cache[k] = split if me in k[1] else None
+    else:
+        for k in todo:
+            _group_cache[k] = dist.new_group(list(k[1]), timeout=_timeout, backend=backend)
+    for k in keys:
+        if me in k[1]:
+            return _group_cache[k]
+    return None

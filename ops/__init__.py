@@ -1,0 +1,1 @@
+"""shardprop.ops: sharding rules, one module per op family."""

@@ -1,0 +1,91 @@
+"""distribute_tensor: turn one rank's full tensor into a DTensor over a mesh."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shardprop.dtensor import DTensor, local_chunk, make_spec
+from shardprop.layout import chunk_bounds
+from shardprop.mesh import collectives as C
+from shardprop.placement import Partial, Replicate, Shard, normalize_placements
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src_data_rank: Optional[int] = 0) -> DTensor:
+    """Distribute ``tensor`` over ``device_mesh`` with ``placements``.
+
+    The data of global rank ``src_data_rank`` is what every rank ends up with:
+    it is scattered along Shard mesh dims and broadcast along the others, one
+    mesh dim after another, so each rank receives only its own piece. With
+    ``src_data_rank=None`` every rank cuts its shard from its own tensor.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
+        >>> x = distribute_tensor(torch.arange(8.), mesh, [Shard(0)])  # doctest: +SKIP
+        >>> x.to_local()  # on rank 1  # doctest: +SKIP
+        tensor([2., 3.])
+    """
+    if isinstance(tensor, DTensor):
+        raise ValueError("distribute_tensor: the input already is a DTensor; use .redistribute()")
+    mesh = device_mesh
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    placements = normalize_placements(placements, tensor.ndim, mesh.ndim, "distribute_tensor")
+    if mesh._coord is None:
+        raise RuntimeError(f"distribute_tensor: this rank is not in {mesh}")
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    full = tensor.detach().to(device)
+    if src_data_rank is None:
+        local = local_chunk(full, mesh, placements)
+    else:
+        local = _from_source(full, mesh, placements, src_data_rank)
+    for m, p in enumerate(placements):
+        # A replicated value as Partial: a sum keeps it on index 0 only; avg, max and min keep it everywhere.
+        if type(p) is Partial and p.reduce_op == "sum" and mesh._coord[m] != 0:
+            local = torch.zeros_like(local)
+    spec = make_spec(mesh, placements, tensor.shape, None, tensor.dtype)
+    return DTensor(local, spec, requires_grad=tensor.requires_grad)
+
+
+def _from_source(full: torch.Tensor, mesh, placements, src: int) -> torch.Tensor:
+    """Scatter/broadcast the source rank's data along each mesh dim in turn (outermost first)."""
+    flat = mesh.mesh.flatten().tolist()
+    if src not in flat:
+        raise ValueError(f"distribute_tensor: src_data_rank {src} is not in {mesh}")
+    src_coord = [int(c) for c in (mesh.mesh == src).nonzero()[0].tolist()]
+    me = mesh._coord
+    data = full.contiguous()
+    for m, p in enumerate(placements):
+        # After mesh dims < m, the ranks that agree with the source on dims >= m hold good data;
+        # only the groups along m that contain such a rank need to move anything.
+        k = mesh.shape[m]
+        idle = k == 1 or any(me[j] != src_coord[j] for j in range(m + 1, mesh.ndim))
+        if idle:  # keep the shard's shape right; a later step overwrites the data
+            if type(p) is Shard:
+                off, ln = chunk_bounds(data.shape[p.dim], k, me[m])
+                data = data.narrow(p.dim, off, ln).contiguous()
+            continue
+        if type(p) is Shard:
+            d = p.dim
+            n = data.shape[d]
+            c = -(-n // k)
+            out = data.new_empty(data.shape[:d] + (c,) + data.shape[d + 1:])
+            chunks = None
+            if me[m] == src_coord[m]:
+                chunks = []
+                for r in range(k):
+                    off, ln = chunk_bounds(n, k, r)
+                    piece = data.narrow(d, off, ln)
+                    if ln < c:
+                        padded = data.new_zeros(out.shape)
+                        padded.narrow(d, 0, ln).copy_(piece)
+                        piece = padded
+                    chunks.append(piece)
+            C.scatter(chunks, out, mesh, (m,), src=src_coord[m])
+            _, ln = chunk_bounds(n, k, me[m])
+            data = out.narrow(d, 0, ln).contiguous()
+        else:
+            if me[m] != src_coord[m]:  # receive into a fresh buffer, never into the caller's tensor
+                data = torch.empty_like(data, memory_format=torch.contiguous_format)
+            C.broadcast(data, mesh, (m,), src=src_coord[m])
+    return data if data.data_ptr() != full.data_ptr() or data.numel() == 0 else data.clone()

@@ -1,0 +1,163 @@
+"""Differentiable conversions: from_local, to_local, redistribute.
+
+Gradients go back through the inverse layout change. A Partial forward layout
+gets a Replicate gradient (every rank's partial value contributes with slope 1
+to a sum, 1/n to an average); max/min partials have no such rule and say so.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from shardprop import dtensor as _dt
+from shardprop.layout import local_shape_and_offset
+from shardprop.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.redistribute import redistribute_local
+
+
+def grad_placements_for(placements):
+    """Placements a gradient takes when flowing back to a tensor laid out as ``placements``."""
+    return tuple(Replicate() if type(p) is Partial else p for p in placements)
+
+
+def _check_partial_grad(placements, where: str) -> None:
+    bad = [p for p in placements if type(p) is Partial and p.reduce_op in ("max", "min")]
+    if bad:
+        raise RuntimeError(f"{where}: no gradient through {bad[0]!r} (which rank's value wins is not recorded); "
+                           "redistribute to Replicate before the differentiable part")
+
+
+def _scale_avg(local, spec_placements, mesh):
+    n = 1
+    for m, p in enumerate(spec_placements):
+        if type(p) is Partial and p.reduce_op == "avg":
+            n *= mesh.shape[m]
+    return local / n if n != 1 else local
+
+
+class FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, mesh, placements, run_check, shape, stride):
+        if mesh is None:
+            raise ValueError("from_local: give a device_mesh")
+        if placements is None:
+            placements = [Replicate()] * mesh.ndim
+        placements = normalize_placements(placements, local.ndim, mesh.ndim, "from_local")
+        if run_check:
+            shape = _checked_global_shape(local, mesh, placements, shape)
+        elif shape is None:
+            shape = list(local.shape)
+            for m, p in enumerate(placements):
+                if type(p) is Shard:
+                    shape[p.dim] *= mesh.shape[m]
+        spec = _dt.make_spec(mesh, placements, shape, stride, local.dtype)
+        ctx.spec = spec
+        return _dt.DTensor(local.view_as(local), spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        _check_partial_grad(spec.placements, "from_local backward")
+        if isinstance(grad, _dt.DTensor):
+            target = grad_placements_for(spec.placements)
+            local = grad._local_tensor
+            if grad._spec.placements != target:
+                local = redistribute_local(local, grad._spec, target)
+            local = _scale_avg(local, spec.placements, spec.mesh)
+        else:
+            local = grad
+        return local, None, None, None, None, None
+
+
+class ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, grad_placements):
+        spec = dt._spec
+        if grad_placements is not None:
+            grad_placements = normalize_placements(grad_placements, dt.ndim, spec.mesh.ndim, "to_local")
+            ctx.grad_spec = spec.with_placements(grad_placements)
+        else:
+            ctx.grad_spec = spec
+        return dt._local_tensor.view_as(dt._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.grad_spec
+        return _dt.DTensor(grad, spec, requires_grad=False), None
+
+
+class Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, placements, async_op):
+        src = dt._spec
+        ctx.src = src
+        if src.placements == placements:
+            local = dt._local_tensor
+        else:
+            local = redistribute_local(dt._local_tensor, src, placements, async_op=async_op)
+        return _dt.DTensor(local, src.with_placements(placements), requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src = ctx.src
+        _check_partial_grad(src.placements, "redistribute backward")
+        target = grad_placements_for(src.placements)
+        if grad._spec.placements != target:
+            local = redistribute_local(grad._local_tensor, grad._spec, target)
+            grad = _dt.DTensor(local, grad._spec.with_placements(target))
+        if any(type(p) is Partial and p.reduce_op == "avg" for p in src.placements):
+            grad = _dt.DTensor(_scale_avg(grad._local_tensor, src.placements, src.mesh), grad._spec)
+        return grad, None, None
+
+
+def _checked_global_shape(local, mesh, placements, shape):
+    """Gather every rank's local shape and dtype; derive and check the global shape on all ranks."""
+    group_entry = mesh.group_for(tuple(range(mesh.ndim)))
+    group, ranks = group_entry
+    mine = torch.tensor([local.ndim, zlib.crc32(str(local.dtype).encode())] + list(local.shape) + [0] * (16 - local.ndim),
+                        dtype=torch.int64)
+    if local.ndim > 16:
+        raise ValueError("from_local(run_check=True): tensors of more than 16 dims are not supported")
+    mine = mine.to(local.device) if mesh.device_type != "cpu" else mine
+    everyone = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(everyone, mine, group=group)
+    everyone = [e.cpu().tolist() for e in everyone]
+    coords = {r: tuple(c) for r, c in zip(ranks, _coords_of(mesh, ranks))}
+    problems = []
+    if len({(e[0], e[1]) for e in everyone}) != 1:
+        problems.append("ranks disagree on the local tensor's rank or dtype")
+    shapes = {r: tuple(e[2:2 + e[0]]) for r, e in zip(ranks, everyone)}
+    if not problems:
+        derived = list(shapes[ranks[0]])
+        for d in range(len(derived)):
+            mdims = [m for m, p in enumerate(placements) if type(p) is Shard and p.dim == d]
+            if mdims:  # sum the pieces along the mesh dims that shard d, others at their first index
+                derived[d] = sum(shapes[r][d] for r in ranks
+                                 if all(coords[r][m] == 0 for m in range(mesh.ndim) if m not in mdims))
+        if shape is not None and tuple(shape) != tuple(derived):
+            problems.append(f"the given shape {tuple(shape)} does not match the local shards (they add up to {tuple(derived)})")
+        shape = derived
+        for r in ranks:
+            want, _ = local_shape_and_offset(shape, mesh.shape, coords[r], placements)
+            if tuple(want) != shapes[r]:
+                problems.append(f"rank {r} holds a {shapes[r]} shard where {list(placements)} of a global "
+                                f"{tuple(shape)} needs {tuple(want)}")
+                break
+    if problems:
+        raise ValueError("from_local(run_check=True): inconsistent local tensors across ranks: " + "; ".join(problems))
+    return shape
+
+
+def _coords_of(mesh, ranks):
+    flat = mesh.mesh.flatten().tolist()
+    out = []
+    for r in ranks:
+        idx = flat.index(r)
+        c = []
+        for s in reversed(mesh.shape):
+            c.append(idx % s)
+            idx //= s
+        out.append(list(reversed(c)))
+    return out

@@ -1,0 +1,112 @@
+"""Placements: how a tensor is laid out along one mesh dim.
+
+Immutable and hashable (they are parts of cache keys), with short reprs so a
+list of them reads like ``[S(0), R]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base of Shard, Replicate and Partial."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim=None) -> bool:
+        """True for Shard (of ``dim``, if given)."""
+        return False
+
+    def is_replicate(self) -> bool:
+        """True for Replicate."""
+        return False
+
+    def is_partial(self) -> bool:
+        """True for Partial."""
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Split tensor dim ``dim`` across the mesh dim, in ``torch.chunk`` order.
+
+    Example:
+        >>> Shard(0)
+        S(0)
+    """
+
+    dim: int
+
+    def __post_init__(self):
+        if not isinstance(self.dim, int):
+            raise TypeError(f"Shard: dim must be an int, got {self.dim!r}")
+
+    def is_shard(self, dim=None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank along the mesh dim holds the whole tensor.
+
+    Example:
+        >>> Replicate()
+        R
+    """
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Each rank holds a partial value; the true value reduces them with ``reduce_op``.
+
+    Example:
+        >>> Partial()
+        P(sum)
+    """
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(f"Partial: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+def normalize_placements(placements, ndim: int, mesh_ndim: int, where: str = "placements") -> tuple:
+    """Check a placement list against a tensor rank and mesh; make shard dims non-negative.
+
+    Example:
+        >>> normalize_placements([Shard(-1)], 2, 1)
+        (S(1),)
+    """
+    placements = tuple(placements)
+    if len(placements) != mesh_ndim:
+        raise ValueError(f"{where}: {len(placements)} placements {list(placements)} for a {mesh_ndim}-d mesh; "
+                         f"give one placement per mesh dim")
+    out = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"{where}: {p!r} is not a placement (use Shard(d), Replicate() or Partial())")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(f"{where}: {p!r} is out of range for a {ndim}-d tensor")
+            if p.dim < 0:
+                p = Shard(p.dim + ndim)
+        out.append(p)
+    return tuple(out)
