@@ -378,3 +378,29 @@ _RUN = {
     "chunk": _run_chunk,
     "to_partial": _run_to_partial,
 }
+
+
+def transition_cost(src: Placement, dst: Placement, local_bytes: float, k: int) -> float:
+    """Cost of changing one mesh dim's placement (same table as the planner); 0 if equal.
+
+    Used to price strategy candidates per mesh dim before any full plan is made.
+
+    Example:
+        >>> transition_cost(Shard(0), Replicate(), 1024, 4)
+        7168.0
+    """
+    if src == dst or k == 1:
+        return 0.0
+    ts, td = type(src), type(dst)
+    if ts is Replicate:
+        return 1.0 if td is Shard else 2.0  # local work only; prefer no change at all
+    if ts is Shard:
+        if td is Shard:
+            kind, moved = "all_to_all", local_bytes * (k - 1) / k
+        else:  # gather (then a local step to Partial)
+            kind, moved = "all_gather", local_bytes * (k - 1)
+    elif td is Shard:
+        kind, moved = "reduce_scatter", local_bytes * (k - 1) / k
+    else:
+        kind, moved = "all_reduce", local_bytes * (k - 1) / k
+    return COST_FACTOR[kind] * moved + LATENCY

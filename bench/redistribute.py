@@ -1,0 +1,319 @@
+"""Benchmark redistribution: shardprop vs torch.distributed.tensor vs the raw c10d floor.
+
+Spawns 4 CPU ranks (gloo on 127.0.0.1, one thread each). For every transition
+of a float32 global tensor (16 MB by default) it times
+
+* ours:      ``shardprop`` ``x.redistribute(placements=...)``
+* reference: ``torch.distributed.tensor`` ``x.redistribute(placements=...)``
+* raw:       the bare c10d collective that moves the same bytes (the floor)
+
+interleaved in rotating order, a ``dist.barrier()`` before every timed call;
+each sample is the max over ranks of that rank's elapsed time, and the table
+shows medians. Each transition is also checked once: ours and the reference
+must produce the same local shard (and match the expected one).
+
+Targets: ours <= 1.10x raw for transitions along dim 0, <= 1.5x where a layout
+copy is unavoidable, and never slower than the reference.
+
+Usage::
+
+    python bench/redistribute.py [--reps 20] [--warmup 3] [--size-mb 16] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import launch  # noqa: E402
+
+WORLD = 4
+DIM0_TARGET = 1.10     # ours/raw where the data already lies in collective order
+LAYOUT_TARGET = 1.50   # ours/raw where a layout copy (pack or unpack) is unavoidable
+CONTENDERS = ("ours", "ref", "raw")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One transition: placements as tokens 'S0', 'S1', 'R', 'P' (Partial sum), one per mesh dim."""
+
+    name: str
+    mesh_shape: Tuple[int, ...]
+    src: Tuple[str, ...]
+    dst: Tuple[str, ...]
+    target: float
+    floor: str  # what the raw contender does (for the JSON and the reader)
+
+
+CASES = [
+    Case("S(0)->R", (4,), ("S0",), ("R",), DIM0_TARGET, "all_gather_single of the local shard"),
+    Case("S(1)->R", (4,), ("S1",), ("R",), LAYOUT_TARGET, "all_gather_single of the local shard (no layout copy)"),
+    Case("P->R", (4,), ("P",), ("R",), DIM0_TARGET, "in-place all_reduce of the full-size tensor"),
+    Case("P->S(0)", (4,), ("P",), ("S0",), DIM0_TARGET, "reduce_scatter_single of the full-size tensor"),
+    Case("S(0)->S(1)", (4,), ("S0",), ("S1",), LAYOUT_TARGET, "all_to_all_single of the local shard's bytes"),
+    # R->S(0) moves nothing. The floor is a copy of this rank's chunk (clone of
+    # t.chunk(4)[r]; .contiguous() alone is a no-op view for dim 0), because the
+    # result must not alias the input: the reference clones here too.
+    Case("R->S(0)", (4,), ("R",), ("S0",), DIM0_TARGET, "clone of the local dim-0 chunk (no communication)"),
+    Case("[S(0),S(1)]->[R,R] 2x2", (2, 2), ("S0", "S1"), ("R", "R"), LAYOUT_TARGET,
+         "one all_gather_single over all 4 ranks of the local block"),
+]
+
+
+# ------------------------------------------------------------------ per-rank side
+def _placements(tokens, lib) -> list:
+    """Turn tokens into placements of ``lib`` (a dict with Shard, Replicate, Partial)."""
+    out = []
+    for tok in tokens:
+        if tok.startswith("S"):
+            out.append(lib["Shard"](int(tok[1:])))
+        elif tok == "R":
+            out.append(lib["Replicate"]())
+        elif tok == "P":
+            out.append(lib["Partial"]())
+        else:
+            raise ValueError(tok)
+    return out
+
+
+def _expected_local(full: torch.Tensor, coord, dst) -> torch.Tensor:
+    """This rank's shard of ``full`` for placements ``dst`` (even chunks, outermost mesh dim first)."""
+    mesh_shape = (2, 2) if len(coord) == 2 else (WORLD,)
+    for m, tok in enumerate(dst):
+        if tok.startswith("S"):
+            full = full.chunk(mesh_shape[m], dim=int(tok[1:]))[coord[m]]
+    return full
+
+
+def _materialize(local: torch.Tensor) -> torch.Tensor:
+    """Wait for a result that may still be in flight (the reference's AsyncCollectiveTensor)."""
+    wait = getattr(local, "wait", None)
+    return wait() if callable(wait) else local
+
+
+def _raw_floor(case: Case, n: int, rank: int, full: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The bare c10d call moving the same bytes as ``case``, buffers allocated once."""
+    if case.name.startswith("[S(0),S(1)]"):
+        block = full.chunk(2, 0)[rank // 2].chunk(2, 1)[rank % 2].contiguous()
+        out = torch.empty(WORLD * block.numel())
+        return lambda: dist.all_gather_single(out, block.reshape(-1))
+    if case.src == ("S0",) and case.dst == ("R",) or case.src == ("S1",) and case.dst == ("R",):
+        shard = full.chunk(WORLD, int(case.src[0][1]))[rank].contiguous()
+        out = torch.empty(WORLD * shard.numel())
+        return lambda: dist.all_gather_single(out, shard.reshape(-1))
+    if case.src == ("P",) and case.dst == ("R",):
+        buf = torch.ones(n, n)  # reduced in place over and over: 4**reps stays finite
+        return lambda: dist.all_reduce(buf)
+    if case.src == ("P",) and case.dst == ("S0",):
+        inp = torch.ones(n, n)
+        out = torch.empty(n // WORLD, n)
+        return lambda: dist.reduce_scatter_single(out, inp)
+    if case.src == ("S0",) and case.dst == ("S1",):
+        shard = full.chunk(WORLD, 0)[rank].contiguous()
+        out = torch.empty_like(shard)
+        return lambda: dist.all_to_all_single(out, shard)
+    if case.src == ("R",) and case.dst == ("S0",):
+        return lambda: full.chunk(WORLD, 0)[rank].clone()
+    raise ValueError(case.name)
+
+
+def _check(case: Case, ours_in, ref_in, ours_dst, ref_dst, expected: torch.Tensor) -> Dict:
+    """Run each side once and compare local results; flags are agreed over all ranks."""
+    y_ours = _materialize(ours_in.redistribute(placements=ours_dst).to_local())
+    y_ref = _materialize(ref_in.redistribute(placements=ref_dst).to_local())
+    exact = "P" not in case.src
+
+    def same(a, b):
+        if a.shape != b.shape:
+            return False
+        return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+
+    in_ptr = ours_in.to_local().untyped_storage().data_ptr()
+    flags = torch.tensor([
+        float(same(y_ours, y_ref)),
+        float(same(y_ours, expected)),
+        float(same(y_ref, expected)),
+        float(y_ours.is_contiguous()),
+    ])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    aliased = torch.tensor([float(y_ours.untyped_storage().data_ptr() == in_ptr)])
+    dist.all_reduce(aliased, op=dist.ReduceOp.MAX)
+    diff = torch.tensor([(y_ours.double() - y_ref.double()).abs().max().item()
+                         if y_ours.shape == y_ref.shape else float("inf")])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return {"ours_eq_ref": bool(flags[0]), "ours_eq_expected": bool(flags[1]),
+            "ref_eq_expected": bool(flags[2]), "ours_contiguous": bool(flags[3]),
+            "ours_aliases_input": bool(aliased[0]), "max_abs_diff": diff.item(),
+            "ours_shape": list(y_ours.shape), "ref_shape": list(y_ref.shape)}
+
+
+def _time_case(fns: Dict[str, Callable], reps: int, warmup: int) -> Dict[str, List[float]]:
+    """Interleaved timing; returns per-contender samples in ms (max over ranks)."""
+    for _ in range(warmup):
+        for name in CONTENDERS:
+            fns[name]()
+    samples = {name: [] for name in CONTENDERS}
+    for i in range(reps):
+        order = CONTENDERS[i % 3:] + CONTENDERS[:i % 3]
+        elapsed = torch.zeros(len(CONTENDERS), dtype=torch.float64)
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[name]()
+            elapsed[CONTENDERS.index(name)] = time.perf_counter() - t0
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        for j, name in enumerate(CONTENDERS):
+            samples[name].append(elapsed[j].item() * 1e3)
+    return samples
+
+
+def bench_ranks(rank: int, world_size: int, n: int, reps: int, warmup: int) -> Dict:
+    """Body run on each rank; rank 0's return value is the result dict."""
+    import shardprop
+    from shardprop import Partial, Replicate, Shard, distribute_tensor, init_device_mesh, plan_redistribute
+    from torch.distributed.device_mesh import init_device_mesh as ref_init_device_mesh
+    from torch.distributed.tensor import DTensor as RefDTensor
+    from torch.distributed.tensor import Partial as RP, Replicate as RR, Shard as RS
+    from torch.distributed.tensor import distribute_tensor as ref_distribute
+
+    assert world_size == WORLD
+    ours_lib = {"Shard": Shard, "Replicate": Replicate, "Partial": Partial}
+    ref_lib = {"Shard": RS, "Replicate": RR, "Partial": RP}
+    meshes = {shape: (init_device_mesh("cpu", shape), ref_init_device_mesh("cpu", shape))
+              for shape in sorted({c.mesh_shape for c in CASES})}
+
+    full = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+    # Partial inputs: each rank holds a different full-size addend; the value is their sum.
+    addends = [torch.randn(n, n, generator=torch.Generator().manual_seed(1000 + r)) for r in range(WORLD)]
+    partial_sum = torch.stack(addends).sum(0)
+    my_addend = addends[rank]
+    del addends
+
+    results = {}
+    for case in CASES:
+        mesh, ref_mesh = meshes[case.mesh_shape]
+        coord = (rank // 2, rank % 2) if len(case.mesh_shape) == 2 else (rank,)
+        src_o, dst_o = _placements(case.src, ours_lib), _placements(case.dst, ours_lib)
+        src_r, dst_r = _placements(case.src, ref_lib), _placements(case.dst, ref_lib)
+        if "P" in case.src:
+            x = shardprop.DTensor.from_local(my_addend.clone(), mesh, src_o)
+            xr = RefDTensor.from_local(my_addend.clone(), ref_mesh, src_r)
+            value = partial_sum
+        else:
+            x = distribute_tensor(full, mesh, src_o)
+            xr = ref_distribute(full, ref_mesh, src_r)
+            value = full
+        plan = plan_redistribute(x._spec, tuple(dst_o))
+        entry = {"floor": case.floor, "target": case.target, "plan": [repr(s) for s in plan.steps]}
+        try:
+            entry["check"] = _check(case, x, xr, dst_o, dst_r, _expected_local(value, coord, case.dst))
+            fns = {
+                "ours": lambda: _materialize(x.redistribute(placements=dst_o).to_local()),
+                "ref": lambda: _materialize(xr.redistribute(placements=dst_r).to_local()),
+                "raw": _raw_floor(case, n, rank, full),
+            }
+            samples = _time_case(fns, reps, warmup)
+            entry["samples_ms"] = samples
+            for name in CONTENDERS:
+                entry[f"{name}_ms"] = statistics.median(samples[name])
+        except Exception as e:  # record and go on: one broken transition should not hide the rest
+            entry["error"] = f"{type(e).__name__}: {e}"  # (a rank-local failure hangs until the timeout)
+            print(f"[rank {rank}] {case.name}: {entry['error']}", file=sys.stderr, flush=True)
+        results[case.name] = entry
+        dist.barrier()
+    return results
+
+
+# ------------------------------------------------------------------ driver side
+def _side_for(size_mb: float) -> int:
+    """Side of a square float32 tensor of about ``size_mb`` MB, divisible by 4."""
+    n = int(math.sqrt(size_mb * 2**20 / 4))
+    return max(4, n - n % 4)
+
+
+def _geomean(xs: List[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def report(results: Dict, n: int, reps: int) -> None:
+    """Print the table, the geomeans, the checks and the rows that miss their target."""
+    from tabulate import tabulate
+
+    rows, misses, warnings = [], [], []
+    for name, r in results.items():
+        if "error" in r:
+            warnings.append(f"  ERROR {name}: {r['error']}")
+            misses.append(f"  {name}: failed")
+            continue
+        ours, ref, raw = r["ours_ms"], r["ref_ms"], r["raw_ms"]
+        r["ours_over_raw"], r["ref_over_raw"], r["ours_over_ref"] = ours / raw, ref / raw, ours / ref
+        rows.append([name, ours, ref, raw, ours / raw, ref / raw, ours / ref])
+        why = []
+        if ours / raw > r["target"]:
+            why.append(f"ours/raw {ours / raw:.2f} > {r['target']:.2f}")
+        if ours > ref:
+            why.append(f"slower than the reference ({ours / ref:.2f}x)")
+        r["meets_target"] = not why
+        if why:
+            misses.append(f"  {name}: " + "; ".join(why))
+        c = r["check"]
+        if not c["ours_eq_ref"]:
+            warnings.append(f"  WARNING {name}: ours != reference (max |diff| {c['max_abs_diff']:.3g}, "
+                            f"shapes {c['ours_shape']} vs {c['ref_shape']})")
+        if not c["ours_eq_expected"]:
+            warnings.append(f"  WARNING {name}: ours != expected shard")
+        if not c["ref_eq_expected"]:
+            warnings.append(f"  WARNING {name}: reference != expected shard")
+        if c["ours_aliases_input"]:
+            warnings.append(f"  note {name}: ours returns a view of the input (the reference copies)")
+    print(f"\nredistribute: {WORLD} ranks (gloo, 1 thread each), float32 {n}x{n} "
+          f"({n * n * 4 / 2**20:.1f} MB), median of {reps} reps, ms = max over ranks\n")
+    print(tabulate(rows, headers=["transition", "ours ms", "reference ms", "raw ms", "ours/raw", "ref/raw",
+                                  "ours/ref"], floatfmt=".3f"))
+    g_ours = _geomean([r[4] for r in rows])
+    g_ref = _geomean([r[5] for r in rows])
+    print(f"\ngeomean ours/raw {g_ours:.3f}   ref/raw {g_ref:.3f}")
+    print("\nplans (ours):")
+    for name, r in results.items():
+        print(f"  {name}: " + ("; ".join(r["plan"]) or "(no steps)"))
+    print("\nchecks: " + ("all transitions: ours == reference == expected" if not warnings else ""))
+    for w in warnings:
+        print(w)
+    print(f"\ntargets (ours/raw <= {DIM0_TARGET} along dim 0, <= {LAYOUT_TARGET} with a layout copy, "
+          "ours <= reference): " + ("all met" if not misses else "missed by"))
+    for m in misses:
+        print(m)
+    results["_summary"] = {"geomean_ours_over_raw": g_ours, "geomean_ref_over_raw": g_ref, "n": n,
+                           "world_size": WORLD}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per contender (default 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up rounds (default 3)")
+    ap.add_argument("--size-mb", type=float, default=16.0, help="global tensor size in MB (default 16)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON, keyed by transition")
+    args = ap.parse_args(argv)
+
+    n = _side_for(args.size_mb)
+    t0 = time.perf_counter()
+    results = launch(bench_ranks, WORLD, n, args.reps, args.warmup, timeout_s=120)
+    report(results, n, args.reps)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

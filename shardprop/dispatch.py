@@ -1,0 +1,156 @@
+"""The op dispatcher: every aten op on a DTensor comes through ``dispatch``.
+
+HOT PATH. This module is written for speed: one pass over the arguments builds
+both the local arguments and the cache key, the cached propagation says whether
+anything must move, and outputs are wrapped with specs that were computed once.
+No tree_map, no schema comparison, no per-call allocation that a cache avoids.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardprop import dtensor as _dt
+from shardprop import propagate as _prop
+from shardprop import stats as _stats
+from shardprop.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
+from shardprop.redistribute import run_plan
+
+DTensor = _dt.DTensor
+_Tensor = torch.Tensor
+_propagate = _prop.propagate
+_calls = _stats.calls
+_TRUE = _marker("<True>")
+_FALSE = _marker("<False>")
+_scalar_keys = {}
+
+# op -> handler(op, args, kwargs) for ops that need more than a rule (filled by ops/ modules).
+SPECIAL = {}
+
+# Set by shardprop.explain while a recorder or an explicit() guard is active.
+recorder = None
+explicit_mode = None
+
+
+def _plain_tensor_error(a) -> Exception:
+    return TypeError(
+        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)}; only 0-dim "
+        "tensors and Python scalars are treated as replicated. Make it a DTensor first with "
+        "shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements).")
+
+
+def _flatten(seq, largs: list, key: list) -> None:
+    """Append each argument's local form to ``largs`` and its cache-key form to ``key``."""
+    for a in seq:
+        t = type(a)
+        if t is DTensor:
+            largs.append(a._local_tensor)
+            key.append(a._spec)
+        elif t is int or a is None or t is str:
+            largs.append(a)
+            key.append(a)
+        elif t is float:
+            largs.append(a)
+            key.append(FLOAT)
+        elif t is list or t is tuple:
+            sub_l, sub_k = [], []
+            _flatten(a, sub_l, sub_k)
+            largs.append(sub_l)
+            key.append(tuple(sub_k))
+        elif t is bool:
+            largs.append(a)
+            key.append(_TRUE if a else _FALSE)
+        elif isinstance(a, _Tensor):
+            if isinstance(a, DTensor):  # a subclass of DTensor (e.g. nn.Parameter over one)
+                largs.append(a._local_tensor)
+                key.append(a._spec)
+            elif a.ndim == 0:
+                k = _scalar_keys.get((a.dtype, a.device))
+                if k is None:
+                    k = _scalar_keys[(a.dtype, a.device)] = ScalarTensor(a.dtype, a.device)
+                largs.append(a)
+                key.append(k)
+            else:
+                raise _plain_tensor_error(a)
+        elif t is complex:
+            largs.append(a)
+            key.append(COMPLEX)
+        else:  # dtype, device, layout, memory format, ...: hashable as they are
+            largs.append(a)
+            key.append(a)
+
+
+def dispatch(op, args, kwargs):
+    """Run aten ``op`` on DTensor arguments: propagate (cached), redistribute if needed, compute, wrap.
+
+    Example:
+        >>> torch.mm(a, b)  # a, b DTensors: arrives here via __torch_dispatch__  # doctest: +SKIP
+    """
+    special = SPECIAL.get(op)
+    if special is not None:
+        return special(op, args, kwargs)
+    largs, key = [], []
+    _flatten(args, largs, key)
+    if kwargs:
+        vals, kkey = [], []
+        _flatten(kwargs.values(), vals, kkey)
+        lkwargs = dict(zip(kwargs.keys(), vals))
+        kkey = tuple(zip(kwargs.keys(), kkey))
+    else:
+        lkwargs = kwargs or {}
+        kkey = ()
+    _calls[op] += 1
+    schema = OpSchema(op, tuple(key), kkey)
+    out = _propagate(schema)
+    if out.needs_redistribute:
+        largs, lkwargs = _redistribute_inputs(op, args, kwargs, out)
+    if recorder is not None:
+        recorder.record(schema, out)
+    res = op(*largs, **lkwargs)
+    returns = out.returns
+    if returns == "tensor":
+        return DTensor(res, out.out_specs[0])
+    if returns == "self":
+        return args[0] if res is not None else None
+    if returns == "tuple" or returns == "list":
+        wrapped = [r if s is None else DTensor(r, s) for r, s in zip(res, out.out_specs)]
+        return tuple(wrapped) if returns == "tuple" else wrapped
+    if returns == "out":
+        return kwargs["out"]
+    return res
+
+
+# ---------------------------------------------------------------- slow path
+def _redistribute_inputs(op, args, kwargs, out):
+    """Rebuild the local arguments with each input moved to the layout the strategy needs."""
+    if explicit_mode is not None:
+        explicit_mode(op, out)
+    it = iter(zip(out.in_specs, out.plans))
+
+    def local_of(a):
+        t = type(a)
+        if isinstance(a, DTensor):
+            spec, plan = next(it)
+            return a._local_tensor if plan is None else run_plan(a._local_tensor, a._spec, plan)
+        if t is list or t is tuple:
+            return [local_of(x) for x in a]
+        return a
+
+    largs = [local_of(a) for a in args]
+    lkwargs = {}
+    for k, v in (kwargs or {}).items():
+        if k == "out":  # written, not read: never redistributed
+            lkwargs[k] = _dt_local(v)
+        else:
+            lkwargs[k] = local_of(v)
+    return largs, lkwargs
+
+
+def _dt_local(v):
+    if isinstance(v, DTensor):
+        return v._local_tensor
+    if isinstance(v, (list, tuple)):
+        return [_dt_local(x) for x in v]
+    return v
+
+
+_dt._dispatch = dispatch

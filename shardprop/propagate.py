@@ -1,0 +1,330 @@
+"""Sharding propagation: from an OpSchema to an OutputSharding, cached.
+
+On a miss the op's rule lists acceptable options; each is priced by the
+redistribution its inputs would need (the planner's own cost table) and the
+cheapest wins. Ties go to the option the rule listed first, so every rank picks
+the same. Output tensor meta comes from running the op once on meta tensors.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+import torch
+
+from shardprop import registry, stats
+from shardprop.op_schema import COMPLEX, FLOAT, Candidate, OpSchema, OutputSharding, ScalarTensor
+from shardprop.placement import Partial, Placement, Replicate, Shard
+from shardprop.redistribute import plan_redistribute, transition_cost
+from shardprop.spec import DTensorSpec, TensorMeta
+
+_fallback_to_replicate = os.environ.get("SHARDPROP_FALLBACK_REPLICATE", "0") == "1"
+
+
+class ShardingError(RuntimeError):
+    """An op cannot run with the given placements (no rule, or no acceptable option)."""
+
+
+class PropContext:
+    """What a rule sees: the op, its arguments (specs for DTensors), and output meta.
+
+    Example:
+        >>> ctx.specs[0].placements, ctx.out_metas[0].shape  # doctest: +SKIP
+    """
+
+    def __init__(self, schema: OpSchema):
+        self.schema = schema
+        self.op = schema.op
+        self.args = schema.args
+        self.kwargs = schema.kwargs_dict
+        specs = schema.specs
+        if "out" in self.kwargs:  # out= tensors are written, not read: not the rule's inputs
+            self.kwargs.pop("out")
+            specs = OpSchema(schema.op, schema.args, tuple(self.kwargs.items())).specs
+        self.specs = specs
+        self.mesh = specs[0].mesh if specs else None
+        self._out_metas = None
+
+    @property
+    def out_metas(self) -> tuple:
+        """TensorMeta (or None) of each top-level output, from one run on meta tensors."""
+        if self._out_metas is None:
+            self._out_metas, self._returns = meta_run(self.schema)
+        return self._out_metas
+
+    @property
+    def returns(self) -> str:
+        self.out_metas
+        return self._returns
+
+
+# ------------------------------------------------------------ meta execution
+def _to_meta(a):
+    t = type(a)
+    if t is DTensorSpec:
+        m = a.tensor_meta
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    if t is tuple:
+        return [_to_meta(x) for x in a]
+    if t is ScalarTensor:
+        return torch.zeros((), dtype=a.dtype, device="meta")
+    if a is FLOAT:
+        return 0.5
+    if a is COMPLEX:
+        return 0.5j
+    if t is torch.device:
+        return torch.device("meta")
+    return a
+
+
+def _meta_of(t) -> Optional[TensorMeta]:
+    if isinstance(t, torch.Tensor):
+        return TensorMeta(t.shape, t.stride(), t.dtype)
+    return None
+
+
+def meta_run(schema: OpSchema):
+    """Run the op on meta tensors: (output metas, how the result is returned)."""
+    op = schema.op
+    args = [_to_meta(a) for a in schema.args]
+    kwargs = {k: _to_meta(v) for k, v in schema.kwargs}
+    try:
+        out = op(*args, **kwargs)
+    except Exception as e:
+        raise ShardingError(f"{op}: could not infer output shapes on meta tensors ({type(e).__name__}: {e})") from e
+    returns = returns_kind(op, out)
+    if isinstance(out, (tuple, list)):
+        return tuple(_meta_of(o) for o in out), returns
+    return (_meta_of(out),), returns
+
+
+@functools.lru_cache(maxsize=None)
+def _op_alias(op):
+    """('self' | 'out' | None) from the op's schema: does it write into its first argument, or out=?"""
+    try:
+        s = op._schema
+    except AttributeError:
+        return None
+    if s.arguments and s.arguments[0].alias_info is not None and s.arguments[0].alias_info.is_write:
+        return "self"
+    if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
+        return "out"
+    return None
+
+
+def returns_kind(op, out) -> str:
+    alias = _op_alias(op)
+    if alias is not None:
+        return alias
+    if isinstance(out, torch.Tensor):
+        return "tensor"
+    if isinstance(out, tuple):
+        return "tuple"
+    if isinstance(out, list):
+        return "list"
+    return "none"
+
+
+# ------------------------------------------------------------ selection
+def _local_bytes(spec: DTensorSpec) -> float:
+    n = math.prod(spec.shape) * spec.dtype.itemsize
+    for m, p in enumerate(spec.placements):
+        if type(p) is Shard:
+            n /= spec.mesh.shape[m]
+    return n
+
+
+def _norm_option(opt, n_in: int, where: str):
+    if not isinstance(opt, (tuple, list)) or len(opt) != 2:
+        raise ShardingError(f"{where}: each option must be (input_placements, output_placements), got {opt!r}")
+    ins, outs = opt
+    ins, outs = tuple(ins), tuple(outs)
+    if len(ins) != n_in:
+        raise ShardingError(f"{where}: option {opt!r} gives {len(ins)} input placements for {n_in} DTensor inputs")
+    return ins, outs
+
+
+def _choose_per_dim(ctx: PropContext, options, self_fixed: bool) -> tuple:
+    """Pick, for each mesh dim, the cheapest (first on ties) per-dim option."""
+    specs = ctx.specs
+    mesh = ctx.mesh
+    sizes = [_local_bytes(s) for s in specs]
+    chosen_in = [[None] * mesh.ndim for _ in specs]
+    chosen_out = None
+    candidates = []
+    outs_per_dim = []
+    for m in range(mesh.ndim):
+        k = mesh.shape[m]
+        best = None
+        for ins, outs in options:
+            if self_fixed and (ins[0] != specs[0].placements[m] or (outs and outs[0] != specs[0].placements[m])):
+                continue
+            cost = 0.0
+            for i, s in enumerate(specs):
+                cost += transition_cost(s.placements[m], ins[i], sizes[i], k)
+            candidates.append(Candidate(m, ins, outs, cost))
+            if best is None or cost < best[0]:
+                best = (cost, ins, outs)
+        if best is None:
+            raise ShardingError(f"{ctx.op}: no strategy keeps the in-place target at {list(specs[0].placements)}")
+        for i in range(len(specs)):
+            chosen_in[i][m] = best[1][i]
+        outs_per_dim.append(best[2])
+    n_out = len(outs_per_dim[0]) if outs_per_dim else 0
+    chosen_out = [tuple(outs_per_dim[m][j] for m in range(mesh.ndim)) for j in range(n_out)]
+    return [tuple(c) for c in chosen_in], chosen_out, tuple(candidates)
+
+
+def _choose_full(ctx: PropContext, options, self_fixed: bool) -> tuple:
+    """Pick the cheapest full (n-d) option by the planner's cost of every input's redistribution."""
+    specs = ctx.specs
+    best = None
+    candidates = []
+    for ins, outs in options:
+        ins = tuple(tuple(p) if isinstance(p, (tuple, list)) else (p,) * ctx.mesh.ndim for p in ins)
+        outs = tuple(None if p is None else tuple(p) if isinstance(p, (tuple, list)) else (p,) * ctx.mesh.ndim
+                     for p in outs)
+        if self_fixed and (ins[0] != specs[0].placements or (outs and outs[0] != specs[0].placements)):
+            continue
+        cost = sum(plan_redistribute(s, p).cost if s.placements != p else 0.0 for s, p in zip(specs, ins))
+        candidates.append(Candidate(-1, ins, outs, cost))
+        if best is None or cost < best[0]:
+            best = (cost, ins, outs)
+    if best is None:
+        raise ShardingError(f"{ctx.op}: no strategy keeps the in-place target at {list(specs[0].placements)}")
+    return list(best[1]), list(best[2]), tuple(candidates)
+
+
+def _describe(schema: OpSchema) -> str:
+    return ", ".join(f"{list(s.placements)} {tuple(s.shape)}" for s in schema.specs)
+
+
+def _propagate(schema: OpSchema) -> OutputSharding:
+    t0 = time.perf_counter()
+    ok = False
+    try:
+        out = _propagate_uncounted(schema)
+        ok = True
+        return out
+    finally:
+        stats.record_miss(schema.op, time.perf_counter() - t0, ok)
+
+
+def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
+    op = schema.op
+    ctx = PropContext(schema)
+    if not ctx.specs:
+        raise ShardingError(f"{op}: called with no DTensor inputs")
+    mesh = ctx.mesh
+    for s in ctx.specs:
+        if s.mesh != mesh:
+            raise ShardingError(f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
+                                "redistribute them onto one mesh first")
+    rule = registry.lookup(op)
+    if rule is None:
+        if not _fallback_to_replicate:
+            raise ShardingError(
+                f"{op} has no sharding rule (inputs: {_describe(schema)}). Register one with "
+                f"@shardprop.register_sharding({op}), or set SHARDPROP_FALLBACK_REPLICATE=1 "
+                "(shardprop.set_fallback_to_replicate(True)) to run it on replicated inputs.")
+        warnings.warn(f"shardprop: {op} has no sharding rule; replicating its inputs ({_describe(schema)})")
+        options = [(tuple(Replicate() for _ in ctx.specs), tuple(Replicate() for _ in ctx.out_metas))]
+        per_dim = True
+    else:
+        options = rule.fn(ctx)
+        per_dim = rule.per_dim
+    where = f"{op} rule {rule.name if rule else 'replicate-fallback'}"
+    options = [_norm_option(o, len(ctx.specs), where) for o in options]
+    if not options:
+        raise ShardingError(f"{op}: the rule {where} offers no strategy for inputs {_describe(schema)}")
+    if per_dim == "auto":  # user rules: a tuple entry means per-mesh-dim placements
+        per_dim = not any(isinstance(p, (tuple, list)) for o in options for side in o for p in side)
+    returns = ctx.returns
+    self_fixed = returns == "self"
+    choose = _choose_per_dim if per_dim else _choose_full
+    in_pl, out_pl, candidates = choose(ctx, options, self_fixed)
+
+    in_specs = tuple(s if s.placements == p else s.with_placements(p) for s, p in zip(ctx.specs, in_pl))
+    plans = tuple(None if s.placements == p else plan_redistribute(s, p) for s, p in zip(ctx.specs, in_pl))
+    metas = ctx.out_metas
+    out_specs = []
+    for j, meta in enumerate(metas):
+        if meta is None:
+            out_specs.append(None)
+            continue
+        if j >= len(out_pl) or out_pl[j] is None:
+            raise ShardingError(f"{where}: gives no placement for output {j}")
+        out_specs.append(DTensorSpec(mesh, _normalize_out(out_pl[j], len(meta.shape), where), meta))
+    if returns == "out":
+        out_specs = _check_out(schema, out_specs, where)
+    if self_fixed and out_specs and out_specs[0] is not None and out_specs[0].placements != ctx.specs[0].placements:
+        raise ShardingError(f"{op}: in-place op would change its target from {list(ctx.specs[0].placements)} "
+                            f"to {list(out_specs[0].placements)}")
+    return OutputSharding(tuple(out_specs), in_specs, plans, any(p is not None for p in plans), returns,
+                          candidates)
+
+
+def _normalize_out(placements, ndim: int, where: str) -> tuple:
+    out = []
+    for p in placements:
+        if type(p) is Shard and p.dim < 0:
+            p = Shard(p.dim + ndim)
+        if type(p) is Shard and not 0 <= p.dim < ndim:
+            raise ShardingError(f"{where}: output placement {p!r} is out of range for a {ndim}-d output")
+        out.append(p)
+    return tuple(out)
+
+
+def _check_out(schema: OpSchema, out_specs, where):
+    out = dict(schema.kwargs)["out"]
+    given = out if type(out) is tuple else (out,)
+    for g, s in zip(given, out_specs):
+        if type(g) is DTensorSpec and s is not None and g.placements != s.placements:
+            raise ShardingError(f"{schema.op}: the out= DTensor is {list(g.placements)} but the result is "
+                                f"{list(s.placements)}; redistribute out first")
+    return out_specs
+
+
+_cache_size = int(os.environ.get("SHARDPROP_CACHE_SIZE", "65536"))
+propagate = functools.lru_cache(maxsize=_cache_size)(_propagate)
+
+
+def clear_cache() -> None:
+    """Empty the propagation cache (and its statistics).
+
+    Example:
+        >>> shardprop.clear_cache()  # doctest: +SKIP
+    """
+    propagate.cache_clear()
+    stats.reset()
+
+
+def set_cache_size(n: int) -> None:
+    """Resize the propagation cache (clears it).
+
+    Example:
+        >>> shardprop.set_cache_size(1 << 20)  # doctest: +SKIP
+    """
+    global propagate
+    propagate = functools.lru_cache(maxsize=n)(_propagate)
+    stats.reset()
+    from shardprop import dispatch
+    dispatch._propagate = propagate
+
+
+def set_fallback_to_replicate(enabled: bool) -> None:
+    """Run ops that have no rule on replicated inputs (with a warning) instead of raising.
+
+    Example:
+        >>> shardprop.set_fallback_to_replicate(True)  # doctest: +SKIP
+    """
+    global _fallback_to_replicate
+    _fallback_to_replicate = bool(enabled)
+    clear_cache()
+
+
+registry._listeners.append(lambda: clear_cache())

@@ -1,0 +1,95 @@
+"""Cache statistics: per-op calls, misses and time spent propagating.
+
+The hot path adds one counter increment per call; misses are counted where they
+are computed, so hits are calls minus misses.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from collections import defaultdict
+from typing import Dict, List
+
+calls: Dict[object, int] = defaultdict(int)
+_misses: Dict[object, int] = defaultdict(int)
+_miss_time: Dict[object, float] = defaultdict(float)
+_inserted: Dict[object, int] = defaultdict(int)  # misses that succeeded, i.e. cache entries made
+
+
+def record_miss(op, seconds: float, cached: bool) -> None:
+    _misses[op] += 1
+    _miss_time[op] += seconds
+    if cached:
+        _inserted[op] += 1
+
+
+def reset() -> None:
+    calls.clear()
+    _misses.clear()
+    _inserted.clear()
+    _miss_time.clear()
+
+
+def cache_stats() -> List[dict]:
+    """Per-op cache statistics, most-called first.
+
+    Each row: op, calls, hits, misses, hit_rate, live_entries, prop_ms (time spent propagating).
+
+    Example:
+        >>> shardprop.cache_stats()[0]["op"]  # doctest: +SKIP
+        'aten.mm.default'
+    """
+    from shardprop import propagate
+    live = propagate.propagate.cache_info().currsize
+    inserted = sum(_inserted.values())
+    # Exact unless the cache evicted entries; then each op's share of the live ones.
+    scale = 1.0 if inserted <= live else live / inserted
+    rows = []
+    for op in set(calls) | set(_misses):
+        c = max(calls.get(op, 0), _misses.get(op, 0))
+        m = _misses.get(op, 0)
+        rows.append({
+            "op": str(op), "calls": c, "hits": c - m, "misses": m,
+            "hit_rate": (c - m) / c if c else 0.0,
+            "live_entries": round(_inserted.get(op, 0) * scale),
+            "prop_ms": _miss_time.get(op, 0.0) * 1e3,
+        })
+    rows.sort(key=lambda r: (-r["calls"], r["op"]))
+    return rows
+
+
+def format_cache_stats() -> str:
+    """The statistics as a table, with a totals row."""
+    from tabulate import tabulate
+    rows = cache_stats()
+    table = [[r["op"], r["calls"], r["hits"], r["misses"], f"{100 * r['hit_rate']:.1f}%", r["live_entries"],
+              f"{r['prop_ms']:.2f}"] for r in rows]
+    c = sum(r["calls"] for r in rows)
+    m = sum(r["misses"] for r in rows)
+    table.append(["TOTAL", c, c - m, m, f"{100 * (c - m) / c:.1f}%" if c else "-",
+                  sum(r["live_entries"] for r in rows), f"{sum(r['prop_ms'] for r in rows):.2f}"])
+    return tabulate(table, headers=["op", "calls", "hits", "misses", "hit rate", "live", "prop ms"])
+
+
+def print_cache_stats() -> None:
+    """Print the per-op cache statistics table.
+
+    Example:
+        >>> shardprop.print_cache_stats()  # doctest: +SKIP
+    """
+    print(format_cache_stats())
+
+
+def _print_at_exit() -> None:
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+    except Exception:
+        pass
+    if calls or _misses:
+        print_cache_stats()
+
+
+if os.environ.get("SHARDPROP_CACHE_STATS") == "1":
+    atexit.register(_print_at_exit)
