@@ -9,11 +9,12 @@ from shardprop import dispatch as _dispatch  # noqa: F401  (installs DTensor's d
 from shardprop.propagate import ShardingError, clear_cache, set_cache_size, set_fallback_to_replicate
 from shardprop.registry import register_sharding, unregister_sharding
 from shardprop.stats import cache_stats, print_cache_stats
+from shardprop.explain import ImplicitRedistributionError, explain, explicit
 import shardprop.ops  # noqa: F401,E402  (registers the built-in rules)
 
 __all__ = [
     "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "ShardingError",
-    "TensorMeta", "cache_stats", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
+    "ImplicitRedistributionError", "TensorMeta", "cache_stats", "explain", "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
     "print_cache_stats", "register_sharding", "set_cache_size", "set_fallback_to_replicate",
     "unregister_sharding",
 ]

@@ -11,24 +11,61 @@ import torch
 
 from shardprop import dtensor as _dt
 from shardprop import propagate as _prop
-from shardprop import stats as _stats
 from shardprop.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
 from shardprop.redistribute import run_plan
 
 DTensor = _dt.DTensor
 _Tensor = torch.Tensor
+_make_subclass = torch.Tensor._make_wrapper_subclass
 _propagate = _prop.propagate
-_calls = _stats.calls
 _TRUE = _marker("<True>")
 _FALSE = _marker("<False>")
 _scalar_keys = {}
 
-# op -> handler(op, args, kwargs) for ops that need more than a rule (filled by ops/ modules).
+# op -> handler(op, args, kwargs) for ops that need more than a rule. Use register_special.
 SPECIAL = {}
+# op -> [special handler or None, hash(op), calls]: one dict lookup per call gives all three
+# (OpOverload hashes in Python; hashing it once here saves that on every call).
+_OPS = {}
 
 # Set by shardprop.explain while a recorder or an explicit() guard is active.
 recorder = None
 explicit_mode = None
+
+
+def register_special(op, handler) -> None:
+    """Route ``op`` to ``handler(op, args, kwargs)`` instead of the rule-based path.
+
+    Example:
+        >>> register_special(aten._local_scalar_dense.default, item_handler)  # doctest: +SKIP
+    """
+    SPECIAL[op] = handler
+    _OPS.pop(op, None)
+
+
+def _op_record(op) -> list:
+    rec = _OPS[op] = [SPECIAL.get(op), hash(op), 0]
+    return rec
+
+
+def call_counts() -> dict:
+    """op -> number of dispatcher calls (for statistics)."""
+    return {op: rec[2] for op, rec in _OPS.items() if rec[2]}
+
+
+def reset_counts() -> None:
+    for rec in _OPS.values():
+        rec[2] = 0
+
+
+def wrap(local: torch.Tensor, spec) -> "DTensor":
+    """A DTensor over ``local`` with ``spec`` (no autograd history)."""
+    m = spec.tensor_meta
+    r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=local.device,
+                       layout=local.layout, requires_grad=False)
+    r._local_tensor = local
+    r._spec = spec
+    return r
 
 
 def _plain_tensor_error(a) -> Exception:
@@ -79,15 +116,23 @@ def _flatten(seq, largs: list, key: list) -> None:
             key.append(a)
 
 
-def dispatch(op, args, kwargs):
+def dispatch(op, args=(), kwargs=None):
     """Run aten ``op`` on DTensor arguments: propagate (cached), redistribute if needed, compute, wrap.
 
     Example:
-        >>> torch.mm(a, b)  # a, b DTensors: arrives here via __torch_dispatch__  # doctest: +SKIP
+        >>> dispatch(torch.ops.aten.mm.default, (a, b))  # a, b DTensors  # doctest: +SKIP
     """
-    special = SPECIAL.get(op)
-    if special is not None:
-        return special(op, args, kwargs)
+    return torch_dispatch(DTensor, op, (), args, kwargs)
+
+
+def torch_dispatch(cls, op, types, args=(), kwargs=None):
+    """DTensor.__torch_dispatch__ itself: the hot path (no wrapper frame in between)."""
+    rec = _OPS.get(op)
+    if rec is None:
+        rec = _op_record(op)
+    if rec[0] is not None:
+        return rec[0](op, args, kwargs)
+    rec[2] += 1
     largs, key = [], []
     _flatten(args, largs, key)
     if kwargs:
@@ -96,23 +141,28 @@ def dispatch(op, args, kwargs):
         lkwargs = dict(zip(kwargs.keys(), vals))
         kkey = tuple(zip(kwargs.keys(), kkey))
     else:
-        lkwargs = kwargs or {}
+        lkwargs = {}
         kkey = ()
-    _calls[op] += 1
-    schema = OpSchema(op, tuple(key), kkey)
+    schema = OpSchema(op, tuple(key), kkey, rec[1])
     out = _propagate(schema)
     if out.needs_redistribute:
-        largs, lkwargs = _redistribute_inputs(op, args, kwargs, out)
+        largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
     if recorder is not None:
         recorder.record(schema, out)
     res = op(*largs, **lkwargs)
     returns = out.returns
     if returns == "tensor":
-        return DTensor(res, out.out_specs[0])
+        spec = out.out_specs[0]
+        m = spec.tensor_meta
+        r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device,
+                           layout=res.layout, requires_grad=False)
+        r._local_tensor = res
+        r._spec = spec
+        return r
     if returns == "self":
         return args[0] if res is not None else None
     if returns == "tuple" or returns == "list":
-        wrapped = [r if s is None else DTensor(r, s) for r, s in zip(res, out.out_specs)]
+        wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
         return tuple(wrapped) if returns == "tuple" else wrapped
     if returns == "out":
         return kwargs["out"]
@@ -120,10 +170,10 @@ def dispatch(op, args, kwargs):
 
 
 # ---------------------------------------------------------------- slow path
-def _redistribute_inputs(op, args, kwargs, out):
+def _redistribute_inputs(op, args, kwargs, out, schema):
     """Rebuild the local arguments with each input moved to the layout the strategy needs."""
     if explicit_mode is not None:
-        explicit_mode(op, out)
+        explicit_mode(schema, out)
     it = iter(zip(out.in_specs, out.plans))
 
     def local_of(a):
@@ -153,4 +203,43 @@ def _dt_local(v):
     return v
 
 
+def dispatch_default(op, args, kwargs, compute=None):
+    """The rule-based path for ``op`` (propagate, redistribute, compute, wrap), ignoring SPECIAL.
+
+    For special handlers that fall through to the normal path, or that only change the
+    local computation: ``compute(op, out, largs, lkwargs)`` (``out`` the OutputSharding,
+    local arguments already redistributed) replaces ``op(*largs, **lkwargs)``. Not the hot
+    path: ``dispatch`` does the same inline.
+
+    Example:
+        >>> dispatch_default(aten.embedding.default, (w, idx), {}, compute=masked)  # doctest: +SKIP
+    """
+    rec = _OPS.get(op) or _op_record(op)
+    rec[2] += 1
+    kwargs = kwargs or {}
+    largs, key, vals, kkey = [], [], [], []
+    _flatten(args, largs, key)
+    _flatten(kwargs.values(), vals, kkey)
+    lkwargs = dict(zip(kwargs.keys(), vals))
+    schema = OpSchema(op, tuple(key), tuple(zip(kwargs.keys(), kkey)))
+    out = _propagate(schema)
+    if out.needs_redistribute:
+        largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
+    if recorder is not None:
+        recorder.record(schema, out)
+    res = op(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
+    returns = out.returns
+    if returns == "tensor":
+        return wrap(res, out.out_specs[0])
+    if returns == "self":
+        return args[0] if res is not None else None
+    if returns == "tuple" or returns == "list":
+        wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
+        return tuple(wrapped) if returns == "tuple" else wrapped
+    if returns == "out":
+        return kwargs["out"]
+    return res
+
+
 _dt._dispatch = dispatch
+DTensor.__torch_dispatch__ = classmethod(torch_dispatch)

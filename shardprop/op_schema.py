@@ -51,35 +51,29 @@ class ScalarTensor:
     device: Any
 
 
-class OpSchema:
-    """An op call as a hashable cache key.
+class OpSchema(tuple):
+    """An op call as a hashable cache key: ``(hash, op, args, kwargs)``.
 
     ``args``/``kwargs`` hold specs for DTensors, tuples for lists, markers for
-    floats; ``specs`` lists the DTensor specs in argument order.
+    floats. A tuple subclass so equality on a cache hit runs in C (element
+    identity first); the hash is computed once, at creation. Immutable.
 
     Example:
         >>> OpSchema(aten.mm.default, (spec_a, spec_b), ())  # doctest: +SKIP
     """
 
-    __slots__ = ("op", "args", "kwargs", "_hash")
+    __slots__ = ()
 
-    def __init__(self, op, args: tuple, kwargs: tuple):
-        self.op = op
-        self.args = args
-        self.kwargs = kwargs
-        self._hash = hash((op, args, kwargs))
+    def __new__(cls, op, args: tuple, kwargs: tuple, op_hash: int = None):
+        h = hash((hash(op) if op_hash is None else op_hash, args, kwargs))
+        return tuple.__new__(cls, (h, op, args, kwargs))
 
     def __hash__(self) -> int:
-        return self._hash
+        return self[0]
 
-    def __eq__(self, other) -> bool:
-        return (self is other or (self._hash == other._hash and self.op is other.op and self.args == other.args
-                                  and self.kwargs == other.kwargs))
-
-    def __setattr__(self, name, value):
-        if hasattr(self, "_hash"):
-            raise AttributeError("OpSchema is immutable: it is a cache key")
-        object.__setattr__(self, name, value)
+    op = property(lambda self: self[1], doc="The aten OpOverload.")
+    args = property(lambda self: self[2], doc="Positional arguments in key form.")
+    kwargs = property(lambda self: self[3], doc="Keyword arguments as a tuple of (name, value).")
 
     @property
     def specs(self) -> Tuple[DTensorSpec, ...]:

@@ -10,7 +10,6 @@ import os
 from collections import defaultdict
 from typing import Dict, List
 
-calls: Dict[object, int] = defaultdict(int)
 _misses: Dict[object, int] = defaultdict(int)
 _miss_time: Dict[object, float] = defaultdict(float)
 _inserted: Dict[object, int] = defaultdict(int)  # misses that succeeded, i.e. cache entries made
@@ -24,7 +23,8 @@ def record_miss(op, seconds: float, cached: bool) -> None:
 
 
 def reset() -> None:
-    calls.clear()
+    from shardprop import dispatch
+    dispatch.reset_counts()
     _misses.clear()
     _inserted.clear()
     _miss_time.clear()
@@ -39,7 +39,8 @@ def cache_stats() -> List[dict]:
         >>> shardprop.cache_stats()[0]["op"]  # doctest: +SKIP
         'aten.mm.default'
     """
-    from shardprop import propagate
+    from shardprop import dispatch, propagate
+    calls = dispatch.call_counts()
     live = propagate.propagate.cache_info().currsize
     inserted = sum(_inserted.values())
     # Exact unless the cache evicted entries; then each op's share of the live ones.
@@ -87,7 +88,7 @@ def _print_at_exit() -> None:
             return
     except Exception:
         pass
-    if calls or _misses:
+    if _misses:
         print_cache_stats()
 
 

@@ -1,0 +1,138 @@
+"""Whole-tensor ops: copies, conversions, fills and tensor factories from a tensor.
+
+Three families, by how the output depends on the input:
+
+* copies (clone, detach, _to_copy, copy_): the output holds the input's values, so it
+  keeps the input's layout; a Partial passes only where the copy commutes with the
+  reduction (a dtype cast to an integer type does not: sum of truncations is not the
+  truncation of the sum);
+* fills (zero_, fill_, *_like): the values do not depend on the input, only the shape,
+  so the input never needs to move. Filling ``v`` on every rank of a ``P(sum)`` tensor
+  would mean ``k * v``; the functional forms give Replicate instead, and in-place ``fill_``
+  (which cannot change its target's layout) refuses. ``zero_`` is fine on any Partial;
+* factories with a global size (new_zeros, new_empty, ...): every rank makes the whole
+  tensor, so the output is Replicate (correct; each rank pays the full memory).
+
+Rules list one option per possible input placement so the one matching the input costs
+nothing; the engine picks it per mesh dim.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardprop.placement import REDUCE_OPS, Partial, Replicate, Shard
+from shardprop.propagate import ShardingError
+from shardprop.spec import DTensorSpec
+
+from shardprop.registry import rule
+
+aten = torch.ops.aten
+R = Replicate()
+
+COPIES = [aten.clone, aten.detach, aten._to_copy]
+COPY_INTO = [aten.copy, aten.copy_]
+ZEROS = [aten.zero, aten.zero_]
+FILLS = [aten.fill, aten.fill_]
+LIKE = [aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like]
+NEW = [aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_empty_strided]
+
+
+def _placements(ndim: int) -> list:
+    """Every placement a tensor of ``ndim`` dims can have on one mesh dim."""
+    return [Shard(d) for d in range(ndim)] + [R] + [Partial(op) for op in REDUCE_OPS]
+
+
+def _partial_survives_cast(p: Partial, src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether converting each rank's partial value from ``src`` to ``dst`` commutes with ``p``'s reduction.
+
+    Sum/avg: linear, so only into floating/complex types (rounding aside). Max/min: any
+    monotone conversion, i.e. real to floating point.
+
+    Example:
+        >>> _partial_survives_cast(Partial("sum"), torch.float32, torch.int64)
+        False
+    """
+    if p.reduce_op in ("sum", "avg"):
+        return dst.is_floating_point or dst.is_complex
+    return dst.is_floating_point and not src.is_complex
+
+
+@rule(*COPIES)
+def copy_like(ctx):
+    """The output keeps the input's layout (Partial only where the dtype cast allows)."""
+    x = ctx.specs[0]
+    dst = ctx.out_metas[0].dtype
+    return [((p,), (p,)) for p in _placements(x.ndim)
+            if type(p) is not Partial or _partial_survives_cast(p, x.dtype, dst)]
+
+
+@rule(*COPY_INTO)
+def copy_into(ctx):
+    """self's layout stays; src is brought to it (broadcast dims of src replicated)."""
+    me = ctx.args[0]
+    src = ctx.args[1]
+    src_is_dt = type(src) is DTensorSpec
+    options = []
+    for p in _placements(me.ndim):
+        if type(p) is Partial:
+            if src_is_dt:
+                ok = _partial_survives_cast(p, src.dtype, me.dtype)
+            else:  # a plain scalar lands whole on every rank: only reductions that keep a repeated value
+                ok = p.reduce_op != "sum"
+            if not ok:
+                continue
+        ins = (p,)
+        if src_is_dt:
+            ins += (_src_placement(p, src.shape, me.shape),)
+        options.append((ins, (p,)))
+    return options
+
+
+def _src_placement(p, src_shape, out_shape):
+    """Where src must be for self to be at ``p``: shard its aligned dim, unless broadcast."""
+    if type(p) is not Shard:
+        return p
+    i = p.dim - (len(out_shape) - len(src_shape))
+    if i < 0 or src_shape[i] != out_shape[p.dim]:
+        return R
+    return Shard(i)
+
+
+@rule(*ZEROS)
+def zero(ctx):
+    """Zeros in any layout are zeros: every reduction of zeros is zero."""
+    return [((p,), (p,)) for p in _placements(ctx.specs[0].ndim)]
+
+
+@rule(*FILLS)
+def fill(ctx):
+    """Every rank writes the value: right for shards, Replicate, and avg/max/min Partials, not P(sum)."""
+    me = ctx.args[0]
+    in_place = ctx.returns == "self"
+    if in_place and Partial("sum") in me.placements:
+        raise ShardingError(
+            f"{ctx.op}: cannot fill a Partial(sum) DTensor in place: every rank would hold the value, so "
+            f"the tensor would read as (ranks) x value. Redistribute it (e.g. to Replicate) first, or use "
+            f"zero_() (zero sums to zero)")
+    value = () if len(ctx.specs) == 1 else (R,)  # fill_.Tensor: a 0-dim DTensor value, replicated
+    options = []
+    for p in _placements(me.ndim):
+        out = p
+        if p == Partial("sum"):
+            if in_place:
+                continue
+            out = R  # functional fill: each rank holds the whole filled tensor
+        options.append(((p,) + value, (out,)))
+    return options
+
+
+@rule(*LIKE)
+def like(ctx):
+    """Shape-only: shards and Replicate follow the input; a Partial input gives Replicate."""
+    return [((p,), (R if type(p) is Partial else p,)) for p in _placements(ctx.specs[0].ndim)]
+
+
+@rule(*NEW)
+def new(ctx):
+    """A new tensor of a given global size: made whole on every rank, so Replicate."""
+    return [((p,), (R,)) for p in _placements(ctx.specs[0].ndim)]

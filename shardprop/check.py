@@ -1,0 +1,583 @@
+"""Check a sharding rule against the op itself, for every input layout of a sample call.
+
+For each combination of input placements the rule in force is asked what it would
+do, then the op is run on real shards:
+
+* the rule takes the inputs as they are: the result must equal the op on the full
+  sample ("accepted"), else the rule is wrong ("incorrect");
+* the rule would redistribute: if the op run on the local shards as they are gives
+  the right answer under some output placement, the rule misses a cheaper option
+  ("missing");
+* the rule or the op raises: "errors".
+
+How the check stays honest:
+
+* Inputs hold values whose *reduction* is the sample: a ``Partial("sum")`` input is
+  random parts that add up, ``max`` has the true value on one rank (a different
+  one per element) and smaller values elsewhere, so a rule that confuses reductions
+  is caught.
+* By default the sample's floating tensors are replaced by non-round values of both
+  signs (positive only if the sample is non-negative), so linear-looking identities
+  such as ``relu(a + b) == relu(a) + relu(b)`` do not hold by accident.
+* The global value of an output layout is rebuilt from every rank's local piece by
+  the definition of the placements, not by the engine's redistribution, so a bug
+  there cannot hide a rule bug (and a "replicated" output must agree on every rank).
+* It is collective: every rank walks the same combinations in the same order and
+  the only communication is one all-gather of local results per batch, whatever
+  happens on any rank (errors included), so a failure cannot leave ranks waiting.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from shardprop import dispatch as _dispatch
+from shardprop import propagate as _prop
+from shardprop.dtensor import DTensor
+from shardprop.layout import chunk_bounds
+from shardprop.op_schema import OpSchema
+from shardprop.placement import Partial, Placement, Replicate, Shard
+
+REDUCTIONS = ("sum", "avg", "max", "min")
+_BATCH = 64  # combinations per all-gather of local results
+
+
+# ---------------------------------------------------------------- report
+@dataclass(frozen=True)
+class Finding:
+    """One input layout and what happened to it.
+
+    ``inputs``: one placement tuple (one entry per mesh dim) per DTensor argument.
+    ``outputs``: per tensor output, the rule's placements (accepted, incorrect) or the
+    first placements found correct for the local results (missing); None for a
+    non-tensor output. ``correct``: per output, every placement tuple found correct
+    (missing, and incorrect as a hint; empty when none is). ``rule_inputs``: what the
+    rule would redistribute the inputs to (missing). ``cost``: that redistribution's cost.
+    """
+
+    inputs: Tuple[Tuple[Placement, ...], ...]
+    outputs: Tuple[Optional[Tuple[Placement, ...]], ...] = ()
+    correct: Tuple[Tuple[Tuple[Placement, ...], ...], ...] = ()
+    rule_inputs: Tuple[Tuple[Placement, ...], ...] = ()
+    cost: float = 0.0
+    message: str = ""
+
+    def __str__(self) -> str:
+        return f"{_fmt_inputs(self.inputs)} -> {_fmt_outputs(self.outputs)}"
+
+
+@dataclass
+class RuleReport:
+    """What ``check_sharding_rule`` found. ``ok`` is True when no combination is incorrect.
+
+    Example:
+        >>> report = shardprop.check_sharding_rule(aten.mm.default, a, b)  # doctest: +SKIP
+        >>> report.ok, len(report.missing)  # doctest: +SKIP
+        (True, 0)
+        >>> print(report)  # doctest: +SKIP
+    """
+
+    op: Any
+    mesh_shape: Tuple[int, ...]
+    arg_names: Tuple[str, ...]
+    total: int                # input combinations there are
+    checked: int              # ... and how many were checked
+    incorrect: List[Finding] = field(default_factory=list)
+    missing: List[Finding] = field(default_factory=list)
+    accepted: List[Finding] = field(default_factory=list)
+    errors: List[Finding] = field(default_factory=list)
+    redistributed: int = 0    # the rule redistributes and no local run would have been right
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.incorrect
+
+    def find(self, kind: str, inputs, outputs=None) -> Optional[Finding]:
+        """The finding of ``kind`` ("incorrect", "missing", ...) for ``inputs`` (and ``outputs``).
+
+        Placements may be given as single Placements (one per DTensor argument; on a
+        1-d mesh) or as per-mesh-dim tuples; a single output needs no tuple.
+
+        Example:
+            >>> report.find("missing", (Shard(0), Replicate()), Shard(0))  # doctest: +SKIP
+        """
+        want_in = tuple(_as_layout(p) for p in inputs)
+        want_out = None
+        if outputs is not None:
+            outs = (outputs,) if isinstance(outputs, Placement) or _is_layout(outputs) else tuple(outputs)
+            want_out = tuple(None if o is None else _as_layout(o) for o in outs)
+        for f in getattr(self, kind):
+            if f.inputs != want_in:
+                continue
+            if want_out is None or f.outputs == want_out:
+                return f
+            # missing/incorrect: any correct alternative counts
+            if f.correct and len(f.correct) == len(want_out) and all(
+                    w is None or w in alts for w, alts in zip(want_out, f.correct)):
+                return f
+        return None
+
+    def summary(self) -> str:
+        checked = f"{self.checked} input combinations" if self.checked == self.total else \
+            f"{self.checked} of {self.total} input combinations (deterministic sample)"
+        return (f"{self.op} on mesh {self.mesh_shape}, args {', '.join(self.arg_names)}: {checked}: "
+                f"{len(self.accepted)} accepted, {len(self.incorrect)} INCORRECT, {len(self.missing)} missing, "
+                f"{len(self.errors)} errors, {self.redistributed} redistributed")
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+        rows = []
+        for kind in ("incorrect", "missing", "errors", "accepted"):
+            for f in getattr(self, kind):
+                if kind == "incorrect":
+                    alts = "; ".join(_fmt_outputs(c) for c in _combos_of(f.correct)) if f.correct else "none"
+                    note = f"{f.message}; correct output: {alts}"
+                elif kind == "missing":
+                    note = f"rule redistributes to {_fmt_inputs(f.rule_inputs)} (cost {f.cost:g})"
+                else:
+                    note = f.message
+                out = _fmt_outputs(f.outputs) if f.outputs else ""
+                rows.append((kind, _fmt_inputs(f.inputs), out, _short(note)))
+        table = tabulate(rows, headers=("kind", "inputs", "outputs", "note")) if rows else "(no combinations)"
+        return "\n".join([table, *self.notes, self.summary()])
+
+
+def _combos_of(correct):
+    """The first few combinations of per-output alternatives, for display."""
+    return list(itertools.islice(itertools.product(*correct), 3))
+
+
+def _short(s: str, n: int = 160) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _is_layout(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(p, Placement) for p in x) and len(x) > 0
+
+
+def _as_layout(p) -> Tuple[Placement, ...]:
+    return (p,) if isinstance(p, Placement) else tuple(p)
+
+
+def _fmt_layout(pl) -> str:
+    if pl is None:
+        return "-"
+    return repr(pl[0]) if len(pl) == 1 else "[" + ", ".join(map(repr, pl)) + "]"
+
+
+def _fmt_inputs(ins) -> str:
+    body = ", ".join(_fmt_layout(p) for p in ins)
+    return f"({body},)" if len(ins) == 1 else f"({body})"
+
+
+def _fmt_outputs(outs) -> str:
+    return _fmt_layout(outs[0]) if len(outs) == 1 else "(" + ", ".join(_fmt_layout(o) for o in outs) + ")"
+
+
+# ---------------------------------------------------------------- sample handling
+def _map_tensors(obj, fn):
+    """Rebuild args with every tensor leaf replaced by ``fn(tensor)`` (in argument order)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    return obj
+
+
+def _seeded(*key) -> torch.Generator:
+    """A generator seeded from ``key`` the same way on every rank (crc32, never hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _perturbed(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A non-round variant of ``t`` (same shape, strides, dtype) with both signs unless ``t`` has one."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return t.detach().clone()
+    mag = torch.rand(t.shape, generator=gen, dtype=torch.float64) * 1.37 + 0.37
+    sign = torch.where(torch.rand(t.shape, generator=gen) < 0.5, -1.0, 1.0).to(torch.float64)
+    if bool((t >= 0).all()):
+        sign = sign.abs()
+    elif bool((t <= 0).all()):
+        sign = -sign.abs()
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_((mag * sign).to(t.dtype))
+
+
+def _placement_options(t: torch.Tensor) -> List[Placement]:
+    """Per-mesh-dim placements worth trying for one argument (Partial only for floating values)."""
+    opts: List[Placement] = [Replicate()] + [Shard(d) for d in range(t.ndim)]
+    if t.is_floating_point():
+        opts += [Partial(r) for r in REDUCTIONS]
+    return opts
+
+
+def _split_partial(value: torch.Tensor, reduce_op: str, k: int, gen: torch.Generator) -> List[torch.Tensor]:
+    """``k`` values whose ``reduce_op`` reduction is ``value`` (and that are not all equal)."""
+    if k == 1:
+        return [value]
+    work = value.to(torch.float64)
+    scale = float(work.abs().mean()) + 0.5 if work.numel() else 1.0
+
+    def noise():
+        return torch.randn(value.shape, generator=gen, dtype=torch.float64) * scale
+
+    if reduce_op == "sum":
+        parts = [noise() for _ in range(k - 1)]
+        parts.append(work - sum(parts))
+    elif reduce_op == "avg":
+        r = [noise() for _ in range(k)]
+        mean = sum(r) / k
+        parts = [work + x - mean for x in r]
+    else:  # max/min: the true value on one rank per element (not always the same one)
+        owner = torch.randint(k, value.shape, generator=gen)
+        sign = -1.0 if reduce_op == "max" else 1.0
+        parts = [torch.where(owner == i, work, work + sign * (noise().abs() + 0.1 * scale)) for i in range(k)]
+    return [p.to(value.dtype) for p in parts]
+
+
+def _local_input(full: torch.Tensor, layout, mesh_shape, coord, key) -> torch.Tensor:
+    """This coordinate's piece of ``full`` laid out as ``layout`` (outermost mesh dim first)."""
+    value = full
+    for m, p in enumerate(layout):
+        if type(p) is Shard:
+            off, ln = chunk_bounds(value.shape[p.dim], mesh_shape[m], coord[m])
+            value = value.narrow(p.dim, off, ln)
+        elif type(p) is Partial:
+            # Every rank sharing coord[:m] builds the same parts: the seed depends only on it.
+            parts = _split_partial(value, p.reduce_op, mesh_shape[m], _seeded(key, m, tuple(coord[:m])))
+            value = parts[coord[m]]
+    return value.contiguous().clone()
+
+
+# ---------------------------------------------------------------- global value of a layout
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True))
+    return bool(torch.equal(a, b))
+
+
+def _combine(group: List[torch.Tensor], p: Placement, atol: float, rtol: float) -> Optional[torch.Tensor]:
+    """The value ``group`` (one piece per index along a mesh dim) stands for under ``p``, or None."""
+    first = group[0]
+    if type(p) is Shard:
+        d = p.dim
+        if any(g.ndim <= d or g.ndim != first.ndim for g in group):
+            return None
+        if any(g.shape[:d] != first.shape[:d] or g.shape[d + 1:] != first.shape[d + 1:] for g in group):
+            return None
+        total = sum(g.shape[d] for g in group)
+        if any(g.shape[d] != chunk_bounds(total, len(group), i)[1] for i, g in enumerate(group)):
+            return None  # not torch.chunk order: the spec would put the data elsewhere
+        return torch.cat(group, d)
+    if any(g.shape != first.shape or g.dtype != first.dtype for g in group):
+        return None
+    if type(p) is Replicate:
+        return first if all(_close(g, first, atol, rtol) for g in group[1:]) else None
+    stacked = torch.stack(group)
+    if p.reduce_op == "sum":
+        return stacked.sum(0)
+    if p.reduce_op == "avg":
+        return stacked.mean(0)
+    return stacked.amax(0) if p.reduce_op == "max" else stacked.amin(0)
+
+
+def _assemble(pieces: Dict[tuple, torch.Tensor], mesh_shape, layout, atol, rtol) -> Optional[torch.Tensor]:
+    """The global tensor that per-coordinate ``pieces`` form under ``layout`` (innermost mesh dim first)."""
+    level = pieces
+    for m in reversed(range(len(mesh_shape))):
+        nxt = {}
+        for prefix in itertools.product(*(range(s) for s in mesh_shape[:m])):
+            v = _combine([level[prefix + (i,)] for i in range(mesh_shape[m])], layout[m], atol, rtol)
+            if v is None:
+                return None
+            nxt[prefix] = v
+        level = nxt
+    return level[()]
+
+
+def _output_candidates(ref: torch.Tensor, mesh_ndim: int) -> List[Tuple[Placement, ...]]:
+    per_dim: List[Placement] = [Replicate()] + [Shard(d) for d in range(ref.ndim)]
+    if ref.is_floating_point():
+        per_dim += [Partial(r) for r in REDUCTIONS]
+    return list(itertools.product(per_dim, repeat=mesh_ndim))
+
+
+def _correct_layouts(pieces, ref, mesh_shape, atol, rtol, only=None) -> Tuple[Tuple[Placement, ...], ...]:
+    cands = _output_candidates(ref, len(mesh_shape)) if only is None else [only]
+    out = []
+    for c in cands:
+        try:
+            full = _assemble(pieces, mesh_shape, c, atol, rtol)
+        except RuntimeError:
+            full = None
+        if full is not None and _close(full, ref, atol, rtol):
+            out.append(c)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- enumeration
+def _select(n: int, cap: Optional[int], rng: random.Random) -> List[int]:
+    """Indices of the items to keep: all, or a deterministic sample of ``cap`` in order."""
+    if cap is None or n <= cap:
+        return list(range(n))
+    return sorted(rng.sample(range(n), cap))
+
+
+def _enumerate(layouts: List[List[tuple]], max_combos: Optional[int], rng: random.Random):
+    """(total count, chosen combinations as tuples of per-arg layouts), without building all of them."""
+    sizes = [len(l) for l in layouts]
+    total = math.prod(sizes)
+    chosen = []
+    for idx in _select(total, max_combos, rng):
+        combo = []
+        for size, ls in zip(reversed(sizes), reversed(layouts)):  # mixed radix, last arg fastest
+            idx, r = divmod(idx, size)
+            combo.append(ls[r])
+        chosen.append(tuple(reversed(combo)))
+    return total, chosen
+
+
+# ---------------------------------------------------------------- running one combination
+def _flat_outputs(res) -> list:
+    return list(res) if isinstance(res, (tuple, list)) else [res]
+
+
+def _plain(t):
+    return t.detach().contiguous().clone() if isinstance(t, torch.Tensor) else None
+
+
+def _build_schema(op, dt_args, dt_kwargs) -> OpSchema:
+    """The cache key dispatch would build for this call (its own flattening, so they agree)."""
+    largs, key = [], []
+    _dispatch._flatten(dt_args, largs, key)
+    kkey = ()
+    if dt_kwargs:
+        vals, kk = [], []
+        _dispatch._flatten(dt_kwargs.values(), vals, kk)
+        kkey = tuple(zip(dt_kwargs.keys(), kk))
+    return OpSchema(op, tuple(key), kkey)
+
+
+def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
+    """Ask the rule, run locally. Returns (verdict info, payload to gather); never communicates."""
+    it = iter(range(len(combo)))
+
+    def to_dtensor(t):
+        if not _is_slot(t):
+            return t
+        i = next(it)
+        return DTensor.from_local(local_of(i, combo[i]), mesh, combo[i], shape=t.shape, stride=t.stride())
+
+    dt_args = _map_tensors(sample_args, to_dtensor)
+    dt_kwargs = {k: _map_tensors(v, to_dtensor) for k, v in sample_kwargs.items()}
+    try:
+        sharding = _prop._propagate_uncounted(_build_schema(op, dt_args, dt_kwargs))
+    except Exception as e:  # the rule (or propagation) refused: same on every rank, nothing to run
+        return ("rule-error", f"{type(e).__name__}: {e}"), None
+    accepted = not sharding.needs_redistribute
+    placements = None
+    try:
+        if accepted:  # the real path: dispatch, which must not redistribute
+            res = _flat_outputs(op(*dt_args, **dt_kwargs))
+            outs = [r._local_tensor if isinstance(r, DTensor) else r for r in res]
+            placements = tuple(r._spec.placements if isinstance(r, DTensor) else None for r in res)
+        else:  # what running on the shards as they are would give
+            unwrap = lambda a: a._local_tensor if isinstance(a, DTensor) else a  # noqa: E731
+            res = _flat_outputs(op(*_map_tensors(dt_args, unwrap),
+                                   **{k: _map_tensors(v, unwrap) for k, v in dt_kwargs.items()}))
+            outs, placements = res, None
+        payload = ("ok", [_plain(o) for o in outs])
+    except Exception as e:
+        payload = ("err", f"{type(e).__name__}: {e}")
+    return ("accepted" if accepted else "redistributed", sharding, placements), payload
+
+
+def _is_slot(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.ndim > 0
+
+
+# ---------------------------------------------------------------- public entry point
+def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: float = 1e-4, perturb: bool = True,
+                        seed: int = 0, max_combos: Optional[int] = 2000, max_per_arg: Optional[int] = None,
+                        **sample_kwargs) -> RuleReport:
+    """Check the sharding rule in force for ``op`` on every input layout of a sample call.
+
+    Collective: call it on every rank of ``mesh`` (default: a 1-d mesh over the world)
+    with the same full sample tensors. Every tensor argument with at least one dim
+    becomes a DTensor, tried with each of R, S(d) for each dim, and (floating point
+    only) P(sum), P(avg), P(max), P(min) on each mesh dim. ``max_per_arg`` /
+    ``max_combos`` cap the layouts per argument / combinations in all by a
+    deterministic sample (``seed``); the report says so. With ``perturb`` (default)
+    floating samples are replaced by non-round values of the same shape and dtype
+    with both signs (positive only if the sample is non-negative); pass
+    ``perturb=False`` for ops that need values in a narrower domain. The op must be
+    deterministic; ``out=`` is not supported (check the functional op).
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
+        >>> r = check_sharding_rule(torch.ops.aten.mm.default, torch.randn(8, 6), torch.randn(6, 4), mesh=mesh)  # doctest: +SKIP
+        >>> r.ok, print(r)  # doctest: +SKIP
+    """
+    if "out" in sample_kwargs:
+        raise ValueError("check_sharding_rule: out= variants are not supported; check the functional op")
+    if mesh is None:
+        from shardprop.mesh import init_device_mesh
+        cuda = any(t.is_cuda for t in _leaves((sample_args, sample_kwargs)))
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+    if mesh._coord is None:
+        raise RuntimeError(f"check_sharding_rule: this rank is not in {mesh}")
+    entry = mesh.group_for(tuple(range(mesh.ndim)))
+    if entry is None or entry[0] is None:
+        raise RuntimeError(f"check_sharding_rule: {mesh} has no group over all its dims on this rank")
+    group = entry[0]
+    mesh_shape = tuple(mesh.shape)
+    coord = tuple(mesh._coord)
+
+    # The sample (perturbed the same way on every rank) and the reference result.
+    counter = itertools.count()
+    if perturb:
+        fix = lambda t: _perturbed(t, _seeded(seed, "sample", next(counter)))  # noqa: E731
+    else:
+        fix = lambda t: t.detach().clone()  # noqa: E731
+    sample_args = _map_tensors(tuple(sample_args), fix)
+    sample_kwargs = {k: _map_tensors(v, fix) for k, v in sample_kwargs.items()}
+    slots = [t for t in _leaves((sample_args, sample_kwargs)) if _is_slot(t)]
+    if not slots:
+        raise ValueError("check_sharding_rule: the sample has no tensor argument with a dim to distribute")
+    clone = lambda t: t.clone()  # noqa: E731  (in-place ops must not change the sample)
+    refs = _flat_outputs(op(*_map_tensors(sample_args, clone),
+                            **{k: _map_tensors(v, clone) for k, v in sample_kwargs.items()}))
+
+    # Layouts to try, per argument and in all.
+    rng = random.Random(seed)
+    notes = []
+    layouts = []
+    for i, t in enumerate(slots):
+        every = list(itertools.product(_placement_options(t), repeat=mesh.ndim))
+        keep = _select(len(every), max_per_arg, rng)
+        if len(keep) < len(every):
+            notes.append(f"note: argument {_slot_names(sample_args, sample_kwargs)[i]}: {len(keep)} of "
+                         f"{len(every)} layouts tried (max_per_arg={max_per_arg}, seed={seed})")
+        layouts.append([every[j] for j in keep])
+    total, combos = _enumerate(layouts, max_combos, rng)
+    if len(combos) < total:
+        notes.append(f"note: {len(combos)} of {total} input combinations checked "
+                     f"(max_combos={max_combos}, seed={seed})")
+    in_place = _prop._op_alias(op) == "self"
+
+    cache: Dict[tuple, torch.Tensor] = {}
+
+    def local_of(i, layout):
+        k = (i, layout)
+        if k not in cache:
+            cache[k] = _local_input(slots[i], layout, mesh_shape, coord, (seed, "arg", i, layout))
+        return cache[k].clone()
+
+    report = RuleReport(op, mesh_shape, _slot_names(sample_args, sample_kwargs), total, len(combos), notes=notes)
+    for start in range(0, len(combos), _BATCH):
+        batch = combos[start:start + _BATCH]
+        results = [_run_combo(op, sample_args, sample_kwargs, c, mesh, local_of) for c in batch]
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (coord, [payload for _, payload in results]), group=group)
+        for j, (combo, (info, _)) in enumerate(zip(batch, results)):
+            per_rank = {c: payloads[j] for c, payloads in gathered}
+            _classify(report, combo, info, per_rank, refs, mesh_shape, atol, rtol, in_place)
+    return report
+
+
+def _classify(report, combo, info, per_rank, refs, mesh_shape, atol, rtol, in_place) -> None:
+    """Put one combination in its list; the same on every rank (it reads only gathered data)."""
+    kind = info[0]
+    if kind == "rule-error":
+        report.errors.append(Finding(combo, message=f"rule: {info[1]}"))
+        return
+    _, sharding, placements = info
+    failed = [(c, p[1]) for c, p in sorted(per_rank.items()) if p[0] != "ok"]
+    if failed:
+        if kind == "accepted":
+            c, msg = failed[0]
+            report.errors.append(Finding(combo, message=f"op on coordinate {c}: {msg}"))
+        else:  # the op cannot run on these shards: redistributing is the only way
+            report.redistributed += 1
+        return
+    n_out = len(per_rank[next(iter(per_rank))][1])
+    if n_out != len(refs):
+        report.errors.append(Finding(combo, message=f"{n_out} outputs, the op on the full sample gives {len(refs)}"))
+        return
+    pieces = [{c: p[1][o] for c, p in per_rank.items()} for o in range(n_out)]
+
+    def correct(o, only=None):
+        ref = refs[o]
+        if not isinstance(ref, torch.Tensor):
+            return ((),)  # a non-tensor output: nothing to place
+        return _correct_layouts(pieces[o], ref, mesh_shape, atol, rtol, only)
+
+    if kind == "accepted":
+        outs = tuple(placements) if placements is not None else tuple(
+            None if s is None else s.placements for s in sharding.out_specs)
+        wrong = [o for o, pl in enumerate(outs) if pl is not None and not correct(o, pl)]
+        if wrong:
+            alts = tuple(() if outs[o] is None else correct(o) for o in range(n_out))
+            report.incorrect.append(Finding(combo, outs, alts, message=f"output {wrong[0]} is wrong as "
+                                            f"{_fmt_layout(outs[wrong[0]])}"))
+        else:
+            report.accepted.append(Finding(combo, outs))
+        return
+    # The rule redistributes: would the shards as they are have given a right answer?
+    alts = []
+    for o in range(n_out):
+        if not isinstance(refs[o], torch.Tensor):
+            alts.append(((),))
+            continue
+        target = combo[0] if in_place and o == 0 else None  # in place: the result keeps the target's layout
+        alts.append(correct(o, target))
+    if all(alts):
+        outs = tuple(a[0] if a[0] else None for a in alts)
+        rule_in = tuple(s.placements for s in sharding.in_specs)
+        cost = sum(p.cost for p in sharding.plans if p is not None)
+        report.missing.append(Finding(combo, outs, tuple(alts), rule_in, cost))
+    else:
+        report.redistributed += 1
+
+
+def _leaves(obj) -> list:
+    out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            out.extend(_leaves(v))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out.extend(_leaves(v))
+    return out
+
+
+def _slot_names(args, kwargs) -> Tuple[str, ...]:
+    """Names of the DTensor arguments, e.g. ``args[0] (8, 6)``, ``args[1][2] (4,)``, ``weight (6,)``."""
+    names = []
+
+    def walk(obj, name):
+        if isinstance(obj, torch.Tensor):
+            if _is_slot(obj):
+                names.append(f"{name} {tuple(obj.shape)}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{name}[{i}]")
+
+    for i, a in enumerate(args):
+        walk(a, f"args[{i}]")
+    for k, v in kwargs.items():
+        walk(v, k)
+    return tuple(names)
