@@ -20,3 +20,6 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/redistribute.py
+
+sweep: $(STAMP)
+	$(PY) bench/op_sweep.py

@@ -12,6 +12,9 @@ equation into per-mesh-dim options:
   must then be ``P(sum)`` too (the sum over ranks would otherwise add it k times);
 * a Partial factor times replicated others stays Partial (the product is linear
   in each factor), again with a Partial addend;
+* a ``P(max)``/``P(min)`` addend plus a replicated product stays so when ``beta``
+  is known not to be negative (adding the same value on every rank commutes with
+  max; Python float betas reach the rule as a marker, so only int betas qualify);
 * all-Replicate is always possible.
 """
 from __future__ import annotations
@@ -91,7 +94,12 @@ def _operand_labels(eq: Equation, args) -> Tuple[Tuple[str, ...], Optional[objec
     return tuple(labels), addend
 
 
-def einsum_options(eq: Equation, specs, args) -> list:
+def _beta_not_negative(kwargs) -> bool:
+    beta = kwargs.get("beta", 1)
+    return type(beta) is int and beta >= 0
+
+
+def einsum_options(eq: Equation, specs, args, kwargs=None) -> list:
     """Per-mesh-dim options for the product ``eq`` with DTensor operands ``specs``.
 
     Example:
@@ -123,7 +131,7 @@ def einsum_options(eq: Equation, specs, args) -> list:
         for label in contracted:
             ins = shard_all(label)
             if has_addend_spec:
-                ins = (Partial("sum"),) + ins[1:]
+                pass
             options.append((ins, (Partial("sum"),)))
         first = 1 if has_addend_spec else 0
         for op in LINEAR_REDUCE_OPS:
@@ -133,10 +141,13 @@ def einsum_options(eq: Equation, specs, args) -> list:
                 if has_addend_spec:
                     ins[0] = Partial(op)
                 options.append((tuple(ins), (Partial(op),)))
+        if has_addend_spec and _beta_not_negative(kwargs or {}):
+            for op in ("max", "min"):
+                options.append(((Partial(op),) + (Replicate(),) * (len(specs) - 1), (Partial(op),)))
     options.append((tuple(Replicate() for _ in specs), (Replicate(),)))
     return options
 
 
 @rule(*_PARSED)
 def matmul(ctx):
-    return einsum_options(_PARSED[ctx.op.overloadpacket], ctx.specs, ctx.args)
+    return einsum_options(_PARSED[ctx.op.overloadpacket], ctx.specs, ctx.args, ctx.kwargs)

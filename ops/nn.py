@@ -103,9 +103,18 @@ def _leading_dims(ctx, input_index: int, shape_index: int) -> range:
 
 @rule(aten.native_layer_norm)
 def layer_norm(ctx):
-    """Shard a leading dim: out, mean and rstd (shaped like the input, 1 on normalized dims) follow it."""
+    """Shard a leading dim: out, mean and rstd (shaped like the input, 1 on normalized dims) follow it.
+
+    out = xhat * weight + bias is linear in (weight, bias) together: both sum/avg-Partial give
+    a Partial out (mean and rstd only see the input). With the weight replicated, a bias
+    Partial under avg/max/min passes too (each commutes with adding the same xhat * weight).
+    """
     options = [(_inputs(ctx, input=Shard(d)), (Shard(d),) * 3) for d in _leading_dims(ctx, 0, 1)]
     options.append((_inputs(ctx), (R,) * 3))
+    if type(_arg(ctx, 2, "weight")) is DTensorSpec:
+        options += [(_inputs(ctx, weight=p, bias=p), (p, R, R)) for p in LINEAR_PARTIALS]
+    if type(_arg(ctx, 3, "bias")) is DTensorSpec:
+        options += [(_inputs(ctx, bias=p), (p, R, R)) for p in ALL_PARTIALS if p.reduce_op != "sum"]
     return options
 
 
@@ -161,18 +170,37 @@ def embedding_backward(ctx):
     return options
 
 
+@rule(aten.embedding_renorm_)
+def embedding_renorm(ctx):
+    """In place: rescale the rows of weight that indices name (F.embedding's max_norm).
+
+    Every rank must renorm the same rows of the rows it holds: indices replicated, and the
+    weight whole-row (a shard of D would need the norm of full rows). A vocab-sharded
+    weight renorms its own rows only, with ``_renorm_own_rows``.
+    """
+    return [(_inputs(ctx), (R,)), (_inputs(ctx, self=Shard(0)), (Shard(0),))]
+
+
+def _vocab_rows(wspec):
+    """(offset, rows) of this rank's slice of a vocab-sharded (``S(0)``) table, else None."""
+    if not any(type(p) is Shard and p.dim == 0 for p in wspec.placements):
+        return None
+    mesh = wspec.mesh
+    (rows, *_), (offset, *_) = local_shape_and_offset(wspec.shape, mesh.shape, mesh._coord, wspec.placements)
+    return offset, rows
+
+
 def _masked_lookup(op, out, largs, lkwargs):
     """The local embedding: plain, or, where the weight is vocab-sharded, only this rank's rows.
 
     Indices outside this rank's rows [offset, offset + rows) read row 0 and are then
     zeroed, so summing over the vocab-sharding ranks gives the full lookup.
     """
-    wspec = out.in_specs[0]
-    if not any(type(p) is Shard and p.dim == 0 for p in wspec.placements):
+    vocab = _vocab_rows(out.in_specs[0])
+    if vocab is None:
         return op(*largs, **lkwargs)
+    offset, rows = vocab
     weight, indices = largs[0], largs[1]
-    mesh = wspec.mesh
-    (rows, _), (offset, _) = local_shape_and_offset(wspec.shape, mesh.shape, mesh._coord, wspec.placements)
     if rows == 0:  # an empty trailing shard (uneven vocab): nothing to look up
         return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
     local = indices - offset
@@ -182,8 +210,22 @@ def _masked_lookup(op, out, largs, lkwargs):
     return res.masked_fill_(outside.unsqueeze(-1), 0)
 
 
-def _embedding_handler(op, args, kwargs):
-    return _dispatch.dispatch_default(op, args, kwargs, compute=_masked_lookup)
+def _renorm_own_rows(op, out, largs, lkwargs):
+    """embedding_renorm_ on a vocab shard: only the named rows this rank holds, renumbered."""
+    vocab = _vocab_rows(out.in_specs[0])
+    if vocab is None:
+        return op(*largs, **lkwargs)
+    offset, rows = vocab
+    weight, indices, *rest = largs
+    local = indices.reshape(-1) - offset
+    return op(weight, local[(local >= 0) & (local < rows)], *rest, **lkwargs)
 
 
-_dispatch.register_special(aten.embedding.default, _embedding_handler)
+def _handler(compute):
+    def handler(op, args, kwargs):
+        return _dispatch.dispatch_default(op, args, kwargs, compute=compute)
+    return handler
+
+
+_dispatch.register_special(aten.embedding.default, _handler(_masked_lookup))
+_dispatch.register_special(aten.embedding_renorm_.default, _handler(_renorm_own_rows))

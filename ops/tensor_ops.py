@@ -22,12 +22,12 @@ import torch
 
 from shardprop.placement import REDUCE_OPS, Partial, Replicate, Shard
 from shardprop.propagate import ShardingError
-from shardprop.spec import DTensorSpec
-
 from shardprop.registry import rule
+from shardprop.spec import DTensorSpec
 
 aten = torch.ops.aten
 R = Replicate()
+PARTIALS = tuple(Partial(op) for op in REDUCE_OPS)
 
 COPIES = [aten.clone, aten.detach, aten._to_copy]
 COPY_INTO = [aten.copy, aten.copy_]
@@ -39,7 +39,7 @@ NEW = [aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_em
 
 def _placements(ndim: int) -> list:
     """Every placement a tensor of ``ndim`` dims can have on one mesh dim."""
-    return [Shard(d) for d in range(ndim)] + [R] + [Partial(op) for op in REDUCE_OPS]
+    return [Shard(d) for d in range(ndim)] + [R, *PARTIALS]
 
 
 def _partial_survives_cast(p: Partial, src: torch.dtype, dst: torch.dtype) -> bool:
@@ -85,6 +85,15 @@ def copy_into(ctx):
         if src_is_dt:
             ins += (_src_placement(p, src.shape, me.shape),)
         options.append((ins, (p,)))
+    if src_is_dt and ctx.returns != "self":
+        # Functional copy: self gives only shape and dtype, and a whole-shaped self (R or
+        # Partial) takes src's values as they are laid out, Partial included.
+        for p in _placements(me.ndim):
+            if type(p) is Shard:
+                continue
+            for q in [R] + [x for x in PARTIALS if _partial_survives_cast(x, src.dtype, me.dtype)]:
+                if p != q:
+                    options.append(((p, q), (q,)))
     return options
 
 

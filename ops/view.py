@@ -21,7 +21,8 @@ permute's ``permute``, unsqueeze's ``squeeze.dim``, squeeze's ``unsqueeze``, sel
 
 Ops whose arguments hold sizes (``view(x, [48])``, ``expand``, ``select_backward``'s
 ``input_sizes``, ...) get a special handler that runs the local op with this
-rank's local output shape instead of the global one.
+rank's local output shape instead of the global one; squeeze's handler names the
+dims that are size 1 globally (a shard can be size 1 on one rank only).
 
 In-place views (``t_``, ``transpose_``, ``unsqueeze_``, ``squeeze_``) run the
 functional rule, apply the op to the local tensor in place and give the DTensor
@@ -247,7 +248,12 @@ def view_rule(ctx):
     return options
 
 
-# ------------------------------------------------------------------ size arguments: use the local shape
+# ------------------------------------------------------------------ local calls
+# Some ops cannot run on the shard with the call's own arguments:
+# * sizes are global (``view(x, [48])``, ``expand``, ``select_backward``'s ``input_sizes``):
+#   the local call gets this rank's output shape instead;
+# * ``squeeze()`` / ``squeeze(d)`` drop whatever is size 1 *locally*, and a sharded dim can
+#   be size 1 on one rank only: the local call names the dims that are size 1 globally.
 @functools.lru_cache(maxsize=4096)
 def _local_shape(spec) -> tuple:
     """This rank's shard shape of ``spec`` (specs hash once; the mesh coordinate is fixed)."""
@@ -255,39 +261,78 @@ def _local_shape(spec) -> tuple:
     return local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)[0]
 
 
-# op -> (local op, keep the arguments after the size?): the local call is
-# local_op(self, local_out_shape, *rest) so sizes fit this rank's shard.
-SIZED = {
-    aten.view.default: (aten.view.default, True),
-    aten._unsafe_view.default: (aten._unsafe_view.default, True),
-    aten.view_copy.default: (aten.view_copy.default, True),
-    aten.reshape.default: (aten.reshape.default, True),
-    aten.unflatten.int: (aten.view.default, False),
-    aten.view_as.default: (aten.view.default, False),
-    aten.reshape_as.default: (aten.reshape.default, False),
-    aten.expand.default: (aten.expand.default, True),
-    aten.expand_copy.default: (aten.expand_copy.default, True),
-    aten.expand_as.default: (aten.expand.default, False),
-    aten.broadcast_to.default: (aten.expand.default, False),
-    aten.select_backward.default: (aten.select_backward.default, True),
-    aten.slice_backward.default: (aten.slice_backward.default, True),
+def _sized(local_op, keep_rest: bool, view_like: bool = False):
+    """Local call ``local_op(self, local_out_shape, *rest)``; ``rest`` dropped unless ``keep_rest``.
+
+    ``view_like`` ops fall back to a copying reshape when the shard's strides forbid a view:
+    a redistributed input is a fresh tensor (nothing aliases it) that may be a narrow of a
+    padded gather, and a shard's strides can differ from the global ones.
+    """
+    def call(op, out, largs, lkwargs):
+        shape = _local_shape(out.out_specs[0])
+        rest, kw = (largs[2:], lkwargs) if keep_rest else ((), {})
+        if not view_like:
+            return local_op(largs[0], shape, *rest, **kw)
+        if out.plans[0] is not None:
+            return aten.reshape.default(largs[0], shape)
+        try:
+            return local_op(largs[0], shape)
+        except RuntimeError:
+            return aten.reshape.default(largs[0], shape)
+    return call
+
+
+@functools.lru_cache(maxsize=4096)
+def _squeezed_dims_of(spec, named) -> tuple:
+    shape = spec.shape
+    n = len(shape)
+    dims = range(n) if named is None else _ints(named)
+    return tuple(sorted({d % n for d in dims if shape[d % n] == 1})) if n else ()
+
+
+def _squeezed_dims(spec, args) -> tuple:
+    """The dims squeeze drops: those named (all when none) that are size 1 globally."""
+    named = args[1] if len(args) > 1 else None
+    return _squeezed_dims_of(spec, tuple(named) if isinstance(named, list) else named)
+
+
+def _squeeze_call(local_op):
+    """Local call ``local_op(self, dims)`` (a ``.dims`` overload) with the globally size-1 dims."""
+    def call(op, out, largs, lkwargs):
+        return local_op(largs[0], _squeezed_dims(out.in_specs[0], largs))
+    return call
+
+
+# op -> local call(op, OutputSharding, local args, local kwargs)
+LOCAL_CALLS = {
+    aten.view.default: _sized(aten.view.default, False, view_like=True),
+    aten._unsafe_view.default: _sized(aten._unsafe_view.default, False, view_like=True),
+    aten.view_copy.default: _sized(aten.view_copy.default, False, view_like=True),
+    aten.reshape.default: _sized(aten.reshape.default, False),
+    aten.unflatten.int: _sized(aten.view.default, False, view_like=True),
+    aten.view_as.default: _sized(aten.view.default, False, view_like=True),
+    aten.reshape_as.default: _sized(aten.reshape.default, False),
+    aten.expand.default: _sized(aten.expand.default, True),
+    aten.expand_copy.default: _sized(aten.expand_copy.default, True),
+    aten.expand_as.default: _sized(aten.expand.default, False),
+    aten.broadcast_to.default: _sized(aten.expand.default, False),
+    aten.select_backward.default: _sized(aten.select_backward.default, True),
+    aten.slice_backward.default: _sized(aten.slice_backward.default, True),
+    aten.squeeze.default: _squeeze_call(aten.squeeze.dims),
+    aten.squeeze.dim: _squeeze_call(aten.squeeze.dims),
+    aten.squeeze.dims: _squeeze_call(aten.squeeze.dims),
+    aten.squeeze_copy.default: _squeeze_call(aten.squeeze_copy.dims),
+    aten.squeeze_copy.dim: _squeeze_call(aten.squeeze_copy.dims),
+    aten.squeeze_copy.dims: _squeeze_call(aten.squeeze_copy.dims),
 }
 
 
-def _sized_compute(op, out, largs, lkwargs):
-    local_op, keep = SIZED[op]
-    shape = _local_shape(out.out_specs[0])
-    if keep:
-        return local_op(largs[0], shape, *largs[2:], **lkwargs)
-    return local_op(largs[0], shape)
+def _local_call_handler(op, args, kwargs):
+    return _dispatch.dispatch_default(op, args, kwargs, compute=LOCAL_CALLS[op])
 
 
-def _sized_handler(op, args, kwargs):
-    return _dispatch.dispatch_default(op, args, kwargs, compute=_sized_compute)
-
-
-for _op in SIZED:
-    _dispatch.register_special(_op, _sized_handler)
+for _op in LOCAL_CALLS:
+    _dispatch.register_special(_op, _local_call_handler)
 
 
 # ------------------------------------------------------------------ in-place views
@@ -300,6 +345,9 @@ INPLACE = {
     aten.squeeze_.dim: aten.squeeze.dim,
     aten.squeeze_.dims: aten.squeeze.dims,
 }
+
+
+_SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 
 
 def _set_wrapper_meta(x, spec) -> None:
@@ -323,6 +371,8 @@ def _inplace_handler(op, args, kwargs):
             raise ShardingError(f"{op}: in-place view would have to redistribute its target "
                                 f"{list(x._spec.placements)} to {list(out.in_specs[0].placements)}; "
                                 "redistribute it first or use the out-of-place op")
+        if fop in _SQUEEZES:
+            return aten.squeeze_.dims(largs[0], _squeezed_dims(out.in_specs[0], largs))
         return op(*largs, **lkwargs)  # in place on x's local tensor: its aliases see it too
 
     res = _dispatch.dispatch_default(INPLACE[op], args, kwargs, compute=compute)

@@ -5,10 +5,14 @@ do, then the op is run on real shards:
 
 * the rule takes the inputs as they are: the result must equal the op on the full
   sample ("accepted"), else the rule is wrong ("incorrect");
-* the rule would redistribute: if the op run on the local shards as they are gives
-  the right answer under some output placement, the rule misses a cheaper option
-  ("missing");
-* the rule or the op raises: "errors".
+* the rule would redistribute (with communication) or the engine refuses the layout:
+  if the op run on the local shards as they are gives the right answer under some
+  output placement, the rule misses a cheaper option ("missing"); otherwise the
+  combination is counted as "redistributed" or listed as "rejected" (ShardingError);
+* the rule raises anything else, or the op fails on a layout the rule accepted: "errors".
+
+"missing" is judged on the sample: an option that is right only for some values (a
+scalar's sign, say) can show up; "incorrect" is a counterexample, always a bug.
 
 How the check stays honest:
 
@@ -59,7 +63,8 @@ class Finding:
     first placements found correct for the local results (missing); None for a
     non-tensor output. ``correct``: per output, every placement tuple found correct
     (missing, and incorrect as a hint; empty when none is). ``rule_inputs``: what the
-    rule would redistribute the inputs to (missing). ``cost``: that redistribution's cost.
+    rule would redistribute the inputs to (missing). ``cost``: that redistribution's cost
+    (inf when the engine rejects the layout). ``message``: what went wrong, if anything.
     """
 
     inputs: Tuple[Tuple[Placement, ...], ...]
@@ -77,6 +82,11 @@ class Finding:
 class RuleReport:
     """What ``check_sharding_rule`` found. ``ok`` is True when no combination is incorrect.
 
+    Lists of :class:`Finding`: ``incorrect`` (accepted as is, wrong result), ``missing``
+    (moved or refused, though running as is would be right), ``accepted`` (as is, right),
+    ``errors`` (the rule crashed, or the op failed on an accepted layout), ``rejected``
+    (ShardingError, and running as is would not be right); ``redistributed`` counts the rest.
+
     Example:
         >>> report = shardprop.check_sharding_rule(aten.mm.default, a, b)  # doctest: +SKIP
         >>> report.ok, len(report.missing)  # doctest: +SKIP
@@ -93,7 +103,8 @@ class RuleReport:
     missing: List[Finding] = field(default_factory=list)
     accepted: List[Finding] = field(default_factory=list)
     errors: List[Finding] = field(default_factory=list)
-    redistributed: int = 0    # the rule redistributes and no local run would have been right
+    rejected: List[Finding] = field(default_factory=list)  # the engine refuses the layout (ShardingError)
+    redistributed: int = 0    # the rule redistributes, and running as is would be wrong (or saves no communication)
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -112,7 +123,9 @@ class RuleReport:
         want_in = tuple(_as_layout(p) for p in inputs)
         want_out = None
         if outputs is not None:
-            outs = (outputs,) if isinstance(outputs, Placement) or _is_layout(outputs) else tuple(outputs)
+            # One output: a Placement (1-d mesh) or one Placement per mesh dim; else one entry per output.
+            one = isinstance(outputs, Placement) or (len(self.mesh_shape) > 1 and _is_layout(outputs))
+            outs = (outputs,) if one else tuple(outputs)
             want_out = tuple(None if o is None else _as_layout(o) for o in outs)
         for f in getattr(self, kind):
             if f.inputs != want_in:
@@ -130,17 +143,17 @@ class RuleReport:
             f"{self.checked} of {self.total} input combinations (deterministic sample)"
         return (f"{self.op} on mesh {self.mesh_shape}, args {', '.join(self.arg_names)}: {checked}: "
                 f"{len(self.accepted)} accepted, {len(self.incorrect)} INCORRECT, {len(self.missing)} missing, "
-                f"{len(self.errors)} errors, {self.redistributed} redistributed")
+                f"{len(self.errors)} errors, {len(self.rejected)} rejected, {self.redistributed} redistributed")
 
     def __str__(self) -> str:
         from tabulate import tabulate
         rows = []
-        for kind in ("incorrect", "missing", "errors", "accepted"):
+        for kind in ("incorrect", "missing", "errors", "rejected", "accepted"):
             for f in getattr(self, kind):
                 if kind == "incorrect":
-                    alts = "; ".join(_fmt_outputs(c) for c in _combos_of(f.correct)) if f.correct else "none"
+                    alts = "; ".join(_fmt_outputs(c) for c in _combos_of(f.correct)) or "none found"
                     note = f"{f.message}; correct output: {alts}"
-                elif kind == "missing":
+                elif kind == "missing" and f.rule_inputs:
                     note = f"rule redistributes to {_fmt_inputs(f.rule_inputs)} (cost {f.cost:g})"
                 else:
                     note = f.message
@@ -161,7 +174,7 @@ def _short(s: str, n: int = 160) -> str:
 
 
 def _is_layout(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(p, Placement) for p in x) and len(x) > 0
+    return isinstance(x, (tuple, list)) and len(x) > 0 and all(isinstance(p, Placement) for p in x)
 
 
 def _as_layout(p) -> Tuple[Placement, ...]:
@@ -238,9 +251,17 @@ def _split_partial(value: torch.Tensor, reduce_op: str, k: int, gen: torch.Gener
         mean = sum(r) / k
         parts = [work + x - mean for x in r]
     else:  # max/min: the true value on one rank per element (not always the same one)
+        # The others are smaller (larger) by 10-50% of the value, so they keep its sign: an op with
+        # a domain (log) still runs on them, and a clipping op (relu) does not zero them, which
+        # would make a sum of the results equal their max by accident.
         owner = torch.randint(k, value.shape, generator=gen)
         sign = -1.0 if reduce_op == "max" else 1.0
-        parts = [torch.where(owner == i, work, work + sign * (noise().abs() + 0.1 * scale)) for i in range(k)]
+
+        def other():
+            u = torch.rand(value.shape, generator=gen, dtype=torch.float64)
+            return work + sign * (work.abs() * (0.1 + 0.4 * u) + 1e-3 * scale)
+
+        parts = [torch.where(owner == i, work, other()) for i in range(k)]
     return [p.to(value.dtype) for p in parts]
 
 
@@ -292,46 +313,65 @@ def _combine(group: List[torch.Tensor], p: Placement, atol: float, rtol: float) 
     return stacked.amax(0) if p.reduce_op == "max" else stacked.amin(0)
 
 
-def _assemble(pieces: Dict[tuple, torch.Tensor], mesh_shape, layout, atol, rtol) -> Optional[torch.Tensor]:
-    """The global tensor that per-coordinate ``pieces`` form under ``layout`` (innermost mesh dim first)."""
-    level = pieces
-    for m in reversed(range(len(mesh_shape))):
-        nxt = {}
-        for prefix in itertools.product(*(range(s) for s in mesh_shape[:m])):
-            v = _combine([level[prefix + (i,)] for i in range(mesh_shape[m])], layout[m], atol, rtol)
-            if v is None:
-                return None
-            nxt[prefix] = v
-        level = nxt
-    return level[()]
-
-
-def _output_candidates(ref: torch.Tensor, mesh_ndim: int) -> List[Tuple[Placement, ...]]:
+def _output_options(ref: torch.Tensor) -> List[Placement]:
+    """Per-mesh-dim placements an output could have (Partial only for floating values)."""
     per_dim: List[Placement] = [Replicate()] + [Shard(d) for d in range(ref.ndim)]
     if ref.is_floating_point():
         per_dim += [Partial(r) for r in REDUCTIONS]
-    return list(itertools.product(per_dim, repeat=mesh_ndim))
+    return per_dim
 
 
-def _correct_layouts(pieces, ref, mesh_shape, atol, rtol, only=None) -> Tuple[Tuple[Placement, ...], ...]:
-    cands = _output_candidates(ref, len(mesh_shape)) if only is None else [only]
-    out = []
-    for c in cands:
+def _correct_layouts(pieces, ref, mesh_shape, atol, rtol, only=None,
+                     first_only=False) -> Tuple[Tuple[Placement, ...], ...]:
+    """Every output layout (or just ``only``) under which ``pieces`` form ``ref``, simplest first.
+
+    Mesh dims are combined innermost first and a placement that cannot combine a mesh
+    dim's pieces is dropped before any outer dim is tried, so few of the n**ndim
+    layouts are ever built.
+    """
+    options = _output_options(ref)
+    found = []
+
+    def combine(group, p):
         try:
-            full = _assemble(pieces, mesh_shape, c, atol, rtol)
-        except RuntimeError:
-            full = None
-        if full is not None and _close(full, ref, atol, rtol):
-            out.append(c)
-    return tuple(out)
+            return _combine(group, p, atol, rtol)
+        except Exception:  # pieces that cannot be combined this way (dtype, shape): not this layout
+            return None
+
+    def walk(m, level, suffix) -> bool:
+        if m < 0:
+            if _close(level[()], ref, atol, rtol):
+                found.append(suffix)
+                return first_only
+            return False
+        for p in ([only[m]] if only is not None else options):
+            nxt = {}
+            for prefix in itertools.product(*(range(s) for s in mesh_shape[:m])):
+                v = combine([level[prefix + (i,)] for i in range(mesh_shape[m])], p)
+                if v is None:
+                    break
+                nxt[prefix] = v
+            else:
+                if walk(m - 1, nxt, (p,) + suffix):
+                    return True
+        return False
+
+    walk(len(mesh_shape) - 1, pieces, ())
+    rank = {p: i for i, p in enumerate(options)}
+    return tuple(sorted(found, key=lambda layout: [rank.get(p, 0) for p in layout]))
 
 
 # ---------------------------------------------------------------- enumeration
 def _select(n: int, cap: Optional[int], rng: random.Random) -> List[int]:
-    """Indices of the items to keep: all, or a deterministic sample of ``cap`` in order."""
+    """Indices of the items to keep: all, or a deterministic sample of ``cap`` in order.
+
+    Item 0 (all Replicate, the layout every rule should take as is) is always kept.
+    """
     if cap is None or n <= cap:
         return list(range(n))
-    return sorted(rng.sample(range(n), cap))
+    if cap < 1:
+        raise ValueError(f"check_sharding_rule: a cap of {cap} leaves nothing to check")
+    return [0] + sorted(rng.sample(range(1, n), cap - 1))
 
 
 def _enumerate(layouts: List[List[tuple]], max_combos: Optional[int], rng: random.Random):
@@ -353,8 +393,20 @@ def _flat_outputs(res) -> list:
     return list(res) if isinstance(res, (tuple, list)) else [res]
 
 
-def _plain(t):
-    return t.detach().contiguous().clone() if isinstance(t, torch.Tensor) else None
+def _pack(t):
+    """A tensor as (dtype, shape, raw bytes): pickles much faster than a tensor does."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    t = t.detach().cpu().contiguous()
+    return t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _unpack(packed):
+    if packed is None:
+        return None
+    dtype, shape, raw = packed
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
 
 
 def _build_schema(op, dt_args, dt_kwargs) -> OpSchema:
@@ -370,7 +422,13 @@ def _build_schema(op, dt_args, dt_kwargs) -> OpSchema:
 
 
 def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
-    """Ask the rule, run locally. Returns (verdict info, payload to gather); never communicates."""
+    """Ask the rule, run locally. Returns (verdict info, payload to gather); never communicates.
+
+    info is (kind, OutputSharding or error text, output placements): kind "accepted" (the
+    rule takes the inputs as they are: run through dispatch), "redistributed" or "rejected"
+    (propagation raised ShardingError: run the op on the shards as they are), or "crashed"
+    (the rule raised something else: nothing to run).
+    """
     it = iter(range(len(combo)))
 
     def to_dtensor(t):
@@ -383,24 +441,33 @@ def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
     dt_kwargs = {k: _map_tensors(v, to_dtensor) for k, v in sample_kwargs.items()}
     try:
         sharding = _prop._propagate_uncounted(_build_schema(op, dt_args, dt_kwargs))
-    except Exception as e:  # the rule (or propagation) refused: same on every rank, nothing to run
-        return ("rule-error", f"{type(e).__name__}: {e}"), None
-    accepted = not sharding.needs_redistribute
+        kind = "redistributed" if sharding.needs_redistribute else "accepted"
+    except _prop.ShardingError as e:  # the engine refuses this layout: the same on every rank
+        sharding, kind = f"{type(e).__name__}: {e}", "rejected"
+    except Exception as e:  # a bug in the rule
+        return ("crashed", f"{type(e).__name__}: {e}", None), None
     placements = None
     try:
-        if accepted:  # the real path: dispatch, which must not redistribute
+        if kind == "accepted":  # the real path: dispatch, which must not redistribute
             res = _flat_outputs(op(*dt_args, **dt_kwargs))
             outs = [r._local_tensor if isinstance(r, DTensor) else r for r in res]
             placements = tuple(r._spec.placements if isinstance(r, DTensor) else None for r in res)
         else:  # what running on the shards as they are would give
             unwrap = lambda a: a._local_tensor if isinstance(a, DTensor) else a  # noqa: E731
-            res = _flat_outputs(op(*_map_tensors(dt_args, unwrap),
-                                   **{k: _map_tensors(v, unwrap) for k, v in dt_kwargs.items()}))
-            outs, placements = res, None
-        payload = ("ok", [_plain(o) for o in outs])
+            outs = _flat_outputs(op(*_map_tensors(dt_args, unwrap),
+                                    **{k: _map_tensors(v, unwrap) for k, v in dt_kwargs.items()}))
+        payload = ("ok", [_pack(o) for o in outs])
     except Exception as e:
         payload = ("err", f"{type(e).__name__}: {e}")
-    return ("accepted" if accepted else "redistributed", sharding, placements), payload
+    return (kind, sharding, placements), payload
+
+
+def _run_combo_safely(*args):
+    # Whatever goes wrong here, this rank must still reach the batch's all-gather.
+    try:
+        return _run_combo(*args)
+    except Exception as e:
+        return ("crashed", f"{type(e).__name__}: {e}", None), None
 
 
 def _is_slot(t) -> bool:
@@ -410,24 +477,31 @@ def _is_slot(t) -> bool:
 # ---------------------------------------------------------------- public entry point
 def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: float = 1e-4, perturb: bool = True,
                         seed: int = 0, max_combos: Optional[int] = 2000, max_per_arg: Optional[int] = None,
-                        **sample_kwargs) -> RuleReport:
+                        input_layouts: Optional[Sequence] = None, **sample_kwargs) -> RuleReport:
     """Check the sharding rule in force for ``op`` on every input layout of a sample call.
 
     Collective: call it on every rank of ``mesh`` (default: a 1-d mesh over the world)
-    with the same full sample tensors. Every tensor argument with at least one dim
-    becomes a DTensor, tried with each of R, S(d) for each dim, and (floating point
-    only) P(sum), P(avg), P(max), P(min) on each mesh dim. ``max_per_arg`` /
-    ``max_combos`` cap the layouts per argument / combinations in all by a
-    deterministic sample (``seed``); the report says so. With ``perturb`` (default)
-    floating samples are replaced by non-round values of the same shape and dtype
+    with the same full sample tensors (checked). Every tensor argument with at least
+    one dim becomes a DTensor, tried with each of R, S(d) for each dim and (floating
+    point only) P(sum), P(avg), P(max), P(min) on each mesh dim; 0-dim tensors stay
+    plain (dispatch treats them as replicated scalars). ``max_per_arg`` /
+    ``max_combos`` cap the layouts per argument / the combinations in all by a
+    deterministic sample (``seed``), and the report says so; ``input_layouts`` checks
+    just the given combinations (one entry per DTensor argument: a Placement on a 1-d
+    mesh, else a tuple with one per mesh dim). With ``perturb`` (default) floating
+    samples are replaced by non-round values of the same shape, strides and dtype
     with both signs (positive only if the sample is non-negative); pass
     ``perturb=False`` for ops that need values in a narrower domain. The op must be
-    deterministic; ``out=`` is not supported (check the functional op).
+    deterministic; ``out=`` is not supported (check the functional op). Other keyword
+    arguments are the op's.
 
     Example:
         >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
-        >>> r = check_sharding_rule(torch.ops.aten.mm.default, torch.randn(8, 6), torch.randn(6, 4), mesh=mesh)  # doctest: +SKIP
-        >>> r.ok, print(r)  # doctest: +SKIP
+        >>> a, b = torch.randn(8, 6), torch.randn(6, 4)  # the same on every rank  # doctest: +SKIP
+        >>> r = check_sharding_rule(torch.ops.aten.mm.default, a, b, mesh=mesh)  # doctest: +SKIP
+        >>> r.ok, r.find("accepted", (Shard(0), Replicate()), Shard(0)) is not None  # doctest: +SKIP
+        (True, True)
+        >>> print(r)  # a table of every finding and a summary line  # doctest: +SKIP
     """
     if "out" in sample_kwargs:
         raise ValueError("check_sharding_rule: out= variants are not supported; check the functional op")
@@ -443,6 +517,7 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     group = entry[0]
     mesh_shape = tuple(mesh.shape)
     coord = tuple(mesh._coord)
+    _check_same_sample(sample_args, sample_kwargs, group)
 
     # The sample (perturbed the same way on every rank) and the reference result.
     counter = itertools.count()
@@ -459,21 +534,16 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     refs = _flat_outputs(op(*_map_tensors(sample_args, clone),
                             **{k: _map_tensors(v, clone) for k, v in sample_kwargs.items()}))
 
-    # Layouts to try, per argument and in all.
-    rng = random.Random(seed)
-    notes = []
-    layouts = []
-    for i, t in enumerate(slots):
-        every = list(itertools.product(_placement_options(t), repeat=mesh.ndim))
-        keep = _select(len(every), max_per_arg, rng)
-        if len(keep) < len(every):
-            notes.append(f"note: argument {_slot_names(sample_args, sample_kwargs)[i]}: {len(keep)} of "
-                         f"{len(every)} layouts tried (max_per_arg={max_per_arg}, seed={seed})")
-        layouts.append([every[j] for j in keep])
-    total, combos = _enumerate(layouts, max_combos, rng)
-    if len(combos) < total:
-        notes.append(f"note: {len(combos)} of {total} input combinations checked "
-                     f"(max_combos={max_combos}, seed={seed})")
+    names = _slot_names(sample_args, sample_kwargs)
+    if input_layouts is not None:
+        combos = [tuple(_as_layout(p) for p in c) for c in input_layouts]
+        bad = [c for c in combos if len(c) != len(slots) or any(len(l) != mesh.ndim for l in c)]
+        if bad:
+            raise ValueError(f"check_sharding_rule: input layout {bad[0]} does not give one placement per mesh dim "
+                             f"for each of the {len(slots)} DTensor arguments {names}")
+        total, notes = len(combos), []
+    else:
+        total, combos, notes = _plan_combos(slots, names, mesh.ndim, max_per_arg, max_combos, seed)
     in_place = _prop._op_alias(op) == "self"
 
     cache: Dict[tuple, torch.Tensor] = {}
@@ -484,10 +554,11 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
             cache[k] = _local_input(slots[i], layout, mesh_shape, coord, (seed, "arg", i, layout))
         return cache[k].clone()
 
-    report = RuleReport(op, mesh_shape, _slot_names(sample_args, sample_kwargs), total, len(combos), notes=notes)
+    report = RuleReport(op, mesh_shape, names, total, len(combos), notes=notes)
     for start in range(0, len(combos), _BATCH):
         batch = combos[start:start + _BATCH]
-        results = [_run_combo(op, sample_args, sample_kwargs, c, mesh, local_of) for c in batch]
+        results = [_run_combo_safely(op, sample_args, sample_kwargs, c, mesh, local_of) for c in batch]
+        # The one collective: the same count on every rank, whatever happened locally.
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (coord, [payload for _, payload in results]), group=group)
         for j, (combo, (info, _)) in enumerate(zip(batch, results)):
@@ -496,57 +567,93 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     return report
 
 
+def _plan_combos(slots, names, mesh_ndim, max_per_arg, max_combos, seed):
+    """(total, combinations to check, notes): every layout of every argument, capped deterministically."""
+    rng = random.Random(seed)  # seeded by an int: the same sequence on every rank and run
+    notes, layouts = [], []
+    for i, t in enumerate(slots):
+        every = list(itertools.product(_placement_options(t), repeat=mesh_ndim))
+        keep = _select(len(every), max_per_arg, rng)
+        if len(keep) < len(every):
+            notes.append(f"note: argument {names[i]}: {len(keep)} of {len(every)} layouts tried "
+                         f"(max_per_arg={max_per_arg}, seed={seed})")
+        layouts.append([every[j] for j in keep])
+    total, combos = _enumerate(layouts, max_combos, rng)
+    if len(combos) < total:
+        notes.append(f"note: {len(combos)} of {total} input combinations checked (max_combos={max_combos}, "
+                     f"seed={seed}, a deterministic sample)")
+    return total, combos, notes
+
+
+def _check_same_sample(args, kwargs, group) -> None:
+    """Raise on every rank if the ranks were given different samples (the check would be meaningless)."""
+    h = zlib.crc32(repr(_map_tensors((args, tuple(kwargs.items())), lambda t: (t.dtype, tuple(t.shape)))).encode())
+    for t in _leaves((args, kwargs)):
+        h = zlib.crc32(_pack(t)[2], h)
+    hashes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, h, group=group)
+    if len(set(hashes)) != 1:
+        raise ValueError("check_sharding_rule: the ranks were given different samples; pass the same full "
+                         "tensors on every rank (e.g. seed the generator that makes them)")
+
+
 def _classify(report, combo, info, per_rank, refs, mesh_shape, atol, rtol, in_place) -> None:
     """Put one combination in its list; the same on every rank (it reads only gathered data)."""
-    kind = info[0]
-    if kind == "rule-error":
-        report.errors.append(Finding(combo, message=f"rule: {info[1]}"))
+    kind, sharding, placements = info
+    if kind == "crashed":
+        report.errors.append(Finding(combo, message=f"rule raised {sharding}"))
         return
-    _, sharding, placements = info
     failed = [(c, p[1]) for c, p in sorted(per_rank.items()) if p[0] != "ok"]
-    if failed:
+    counts = sorted({len(p[1]) for p in per_rank.values() if p[0] == "ok"})
+    if failed or counts != [len(refs)]:
         if kind == "accepted":
-            c, msg = failed[0]
-            report.errors.append(Finding(combo, message=f"op on coordinate {c}: {msg}"))
-        else:  # the op cannot run on these shards: redistributing is the only way
-            report.redistributed += 1
+            msg = (f"op on coordinate {failed[0][0]}: {failed[0][1]}" if failed else
+                   f"{' or '.join(map(str, counts))} outputs on the shards, {len(refs)} on the full sample")
+            report.errors.append(Finding(combo, message=msg))
+        else:  # the op cannot run on these shards as they are: moving them is the only way
+            _not_missing(report, combo, kind, sharding)
         return
-    n_out = len(per_rank[next(iter(per_rank))][1])
-    if n_out != len(refs):
-        report.errors.append(Finding(combo, message=f"{n_out} outputs, the op on the full sample gives {len(refs)}"))
-        return
-    pieces = [{c: p[1][o] for c, p in per_rank.items()} for o in range(n_out)]
+    pieces = [{c: _unpack(p[1][o]) for c, p in per_rank.items()} for o in range(len(refs))]
 
-    def correct(o, only=None):
-        ref = refs[o]
-        if not isinstance(ref, torch.Tensor):
+    def correct(o, only=None, first_only=False):
+        if not isinstance(refs[o], torch.Tensor):
             return ((),)  # a non-tensor output: nothing to place
-        return _correct_layouts(pieces[o], ref, mesh_shape, atol, rtol, only)
+        return _correct_layouts(pieces[o], refs[o], mesh_shape, atol, rtol, only, first_only)
 
     if kind == "accepted":
-        outs = tuple(placements) if placements is not None else tuple(
-            None if s is None else s.placements for s in sharding.out_specs)
+        outs = tuple(placements)
         wrong = [o for o, pl in enumerate(outs) if pl is not None and not correct(o, pl)]
         if wrong:
-            alts = tuple(() if outs[o] is None else correct(o) for o in range(n_out))
+            alts = tuple(() if outs[o] is None else correct(o) for o in range(len(refs)))
             report.incorrect.append(Finding(combo, outs, alts, message=f"output {wrong[0]} is wrong as "
                                             f"{_fmt_layout(outs[wrong[0]])}"))
         else:
             report.accepted.append(Finding(combo, outs))
         return
-    # The rule redistributes: would the shards as they are have given a right answer?
-    alts = []
-    for o in range(n_out):
-        if not isinstance(refs[o], torch.Tensor):
-            alts.append(((),))
-            continue
-        target = combo[0] if in_place and o == 0 else None  # in place: the result keeps the target's layout
-        alts.append(correct(o, target))
-    if all(alts):
-        outs = tuple(a[0] if a[0] else None for a in alts)
+    # The rule moves (or refuses) the inputs: would the shards as they are have given a right answer?
+    # In place, the result must keep the target's layout.
+    if kind == "rejected":
+        saves = True
+    else:  # only a redistribution that communicates is worth avoiding (R -> S or R -> P is a local step)
+        saves = any(any(mesh_shape[m] > 1 for step in p.collectives for m in step.mesh_dims)
+                    for p in sharding.plans if p is not None)
+    target = [combo[0] if in_place and o == 0 else None for o in range(len(refs))]
+    if not (saves and all(correct(o, target[o], first_only=True) for o in range(len(refs)))):
+        _not_missing(report, combo, kind, sharding)
+        return
+    alts = tuple(correct(o, target[o]) for o in range(len(refs)))
+    outs = tuple(a[0] if a[0] else None for a in alts)
+    if kind == "rejected":
+        report.missing.append(Finding(combo, outs, alts, cost=math.inf, message=f"rule rejects: {sharding}"))
+    else:
         rule_in = tuple(s.placements for s in sharding.in_specs)
         cost = sum(p.cost for p in sharding.plans if p is not None)
-        report.missing.append(Finding(combo, outs, tuple(alts), rule_in, cost))
+        report.missing.append(Finding(combo, outs, alts, rule_in, cost))
+
+
+def _not_missing(report, combo, kind, sharding) -> None:
+    if kind == "rejected":
+        report.rejected.append(Finding(combo, message=str(sharding)))
     else:
         report.redistributed += 1
 

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from shardprop import registry, stats
-from shardprop.op_schema import COMPLEX, FLOAT, Candidate, OpSchema, OutputSharding, ScalarTensor
+from shardprop.op_schema import COMPLEX, FLOAT, Candidate, OpSchema, OutputSharding, ScalarTensor, _Marker
 from shardprop.placement import Partial, Placement, Replicate, Shard
 from shardprop.redistribute import plan_redistribute, transition_cost
 from shardprop.spec import DTensorSpec, TensorMeta
@@ -53,7 +53,7 @@ class PropContext:
     def out_metas(self) -> tuple:
         """TensorMeta (or None) of each top-level output, from one run on meta tensors."""
         if self._out_metas is None:
-            self._out_metas, self._returns = meta_run(self.schema)
+            self._out_metas, self._returns = _meta_cached(_meta_key(self.schema))
         return self._out_metas
 
     @property
@@ -65,8 +65,8 @@ class PropContext:
 # ------------------------------------------------------------ meta execution
 def _to_meta(a):
     t = type(a)
-    if t is DTensorSpec:
-        m = a.tensor_meta
+    if t is DTensorSpec or t is TensorMeta:
+        m = a.tensor_meta if t is DTensorSpec else a
         return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
     if t is tuple:
         return [_to_meta(x) for x in a]
@@ -78,13 +78,37 @@ def _to_meta(a):
         return 0.5j
     if t is torch.device:
         return torch.device("meta")
+    if t is _Marker:
+        return _MARKER_VALUES[a.name]
     return a
+
+
+_MARKER_VALUES = {"<True>": True, "<False>": False, "<float>": 0.5, "<complex>": 0.5j}
 
 
 def _meta_of(t) -> Optional[TensorMeta]:
     if isinstance(t, torch.Tensor):
         return TensorMeta(t.shape, t.stride(), t.dtype)
     return None
+
+
+def _strip(a):
+    t = type(a)
+    if t is DTensorSpec:
+        return a.tensor_meta
+    if t is tuple:
+        return tuple(_strip(x) for x in a)
+    return a
+
+
+def _meta_key(schema: OpSchema) -> OpSchema:
+    """The schema with placements dropped: output shapes do not depend on them."""
+    return OpSchema(schema.op, _strip(schema.args), tuple((k, _strip(v)) for k, v in schema.kwargs))
+
+
+@functools.lru_cache(maxsize=16384)
+def _meta_cached(key: OpSchema):
+    return meta_run(key)
 
 
 def meta_run(schema: OpSchema):

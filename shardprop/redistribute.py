@@ -360,14 +360,17 @@ def _run_chunk(local, step: Step, cur, spec, owned, async_op):
     d = step.dst[0].dim
     n = _parent_len(spec, cur, m, d)
     off, ln = chunk_bounds(n, spec.mesh.shape[m], spec.mesh._coord[m])
-    return wait_all(local).narrow(d, off, ln).contiguous()
+    piece = wait_all(local).narrow(d, off, ln)
+    # Never hand back a view of the caller's tensor: an in-place op on the new shard
+    # would silently change the replicated original.
+    return piece.contiguous() if owned or not piece.is_contiguous() else piece.clone()
 
 
 def _run_to_partial(local, step: Step, cur, spec, owned, async_op):
     m = step.mesh_dims[0]
     if step.dst[0].reduce_op == "sum" and spec.mesh._coord[m] != 0:
         return torch.zeros_like(wait_all(local))
-    return local
+    return local if owned else wait_all(local).clone()
 
 
 _RUN = {

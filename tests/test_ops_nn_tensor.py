@@ -176,19 +176,22 @@ def test_layer_norm_2d_mixed():
 # ---------------------------------------------------------------- embedding
 
 
-def _embedding_case(mesh, vocab, w_pl, idx_pl, want, seed, padding_idx=None):
-    what = f"embedding V={vocab} weight {w_pl} indices {idx_pl} padding_idx={padding_idx}"
+def _embedding_case(mesh, vocab, w_pl, idx_pl, want, seed, padding_idx=None, max_norm=None):
+    what = f"embedding V={vocab} weight {w_pl} indices {idx_pl} padding_idx={padding_idx} max_norm={max_norm}"
     dim = 6
     w_full = _rand((vocab, dim), seed)
     g = torch.Generator().manual_seed(seed + 1)
     idx_full = torch.randint(0, vocab, (5, 3), generator=g)
     idx_full[0, 0] = vocab - 1  # the last row, held by the last non-empty vocab shard
     ref_w = w_full.clone().requires_grad_()
-    ref = F.embedding(idx_full, ref_w, padding_idx=padding_idx)
+    ref = F.embedding(idx_full, ref_w, padding_idx=padding_idx, max_norm=max_norm)
     w = _leaf(w_full, mesh, w_pl)
     idx = distribute_tensor(idx_full, mesh, idx_pl)
-    y = F.embedding(idx, w, padding_idx=padding_idx)
+    y = F.embedding(idx, w, padding_idx=padding_idx, max_norm=max_norm)
     _close(y, ref, what)
+    if max_norm is not None:  # the looked-up rows of the table itself were renormalized in place
+        _expect_placements(w, w_pl, what + " weight layout after renorm")
+        _close(w.detach(), ref_w.detach(), what + " renormalized weight")
     if want is not None:
         _expect_placements(y, want, what)
     gr, dg = _grad_like(y, seed + 2)
@@ -207,11 +210,16 @@ def _embedding_cases_1d():
         (10, [Shard(0)], [R], [P]),               # vocab-sharded table: masked lookup, P(sum)
         (10, [Shard(0)], [Shard(0)], [P]),        # gathering the indices beats gathering the table
         (3, [Shard(0)], [R], [P]),                # V=3 over 4 ranks: the last rank holds no rows
+        (10, [P], [Shard(0)], [P]),               # a lookup commutes with the Partial's sum
         (10, [R], [R], [R]),
     ]
     for i, (vocab, w_pl, idx_pl, want) in enumerate(cases):
         _embedding_case(mesh, vocab, w_pl, idx_pl, want, 10 * i)
         _embedding_case(mesh, vocab, w_pl, idx_pl, want, 10 * i + 5, padding_idx=1)
+    # max_norm renormalizes the looked-up rows in place: every rank the same rows, or its own vocab rows
+    for i, (vocab, w_pl, idx_pl, want) in enumerate(cases):
+        if not any(p.is_partial() or p.is_shard(1) for p in w_pl):
+            _embedding_case(mesh, vocab, w_pl, idx_pl, want, 10 * i + 7, max_norm=1.0)
 
 
 def _embedding_cases_2d():
@@ -225,6 +233,8 @@ def _embedding_cases_2d():
     ]
     for i, (vocab, w_pl, idx_pl, want) in enumerate(cases):
         _embedding_case(mesh, vocab, w_pl, idx_pl, want, 100 + 10 * i)
+        if not any(p.is_shard(1) for p in w_pl):
+            _embedding_case(mesh, vocab, w_pl, idx_pl, want, 105 + 10 * i, max_norm=0.8)
 
 
 def test_embedding_1d():

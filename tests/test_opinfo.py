@@ -1,0 +1,126 @@
+"""Ops on DTensors against plain torch, with torch's OpInfo samples (tests/opinfo_harness.py).
+
+``OPS`` is the table to extend: an op_db key (``name`` or ``name.variant_test_name``; a bare
+name with several OpInfos checks them all) -> the mesh variants expected to pass. Every
+(op, variant) is checked; the ones not listed as expected are still held to "no wrong
+results". A few batched pool runs per variant keep this file to a few minutes.
+"""
+import random
+
+import pytest
+import torch.distributed as dist
+
+from tests.opinfo_harness import (ENGINES, ERROR, PASS, SKIP, VARIANTS, WRONG, Engine, check_opinfo,
+                                  placement_choices, placement_combos, run_checks)
+from tests.rankpool import get_pool, run_on_ranks
+
+ALL = tuple(VARIANTS)  # "1d", "2d", "uneven", "backward"
+
+OPS = {
+    # pointwise
+    "add": ALL, "sub": ALL, "mul": ALL, "div": ALL, "nn.functional.relu": ALL, "neg": ALL, "exp": ALL,
+    "tanh": ALL, "sigmoid": ALL, "where": ALL, "clamp": ALL, "pow": ALL,
+    # matmul
+    "mm": ALL, "addmm": ALL, "bmm": ALL,
+    # reductions and normalisations
+    "sum": ALL, "mean": ALL, "softmax": ALL, "log_softmax": ALL, "nn.functional.layer_norm": ALL,
+    # embedding
+    "nn.functional.embedding": ALL,
+    # views and tensor ops
+    "clone": ALL, "view": ALL, "reshape": ALL, "transpose": ALL, "permute": ALL, "t": ALL, "expand": ALL,
+    "squeeze": ALL, "squeeze.multiple": ALL, "unsqueeze": ALL, "flatten": ALL, "unflatten": ALL, "split": ALL,
+    "split.list_args": ALL, "chunk": ALL, "unbind": ALL, "narrow": ALL, "select": ALL, "__getitem__": ALL,
+    "movedim": ALL,
+}
+
+# Few samples and combinations per op: enough to exercise every rule path, fast enough for CI.
+CHECK_ARGS = dict(max_samples=3, max_combos=6)
+
+_results = {}  # variant -> {op: result}
+
+
+def results_for(variant):
+    """Every op of OPS checked for ``variant`` (one batched pool run, cached for the session)."""
+    if variant not in _results:
+        _results[variant] = run_checks(get_pool(4), list(OPS), variant, chunk=15, **CHECK_ARGS)
+    return _results[variant]
+
+
+def _describe(res):
+    where = f"\n  first failing combination: {res['combo']}" if res["combo"] else ""
+    return (f"{res['op']} [{res['variant']}]: {res['outcome']} after {res['combos']} combinations "
+            f"({res['sharded_combos']} sharded) on {res['samples']} samples: {res['detail']}{where}")
+
+
+@pytest.mark.parametrize("variant", ALL)
+@pytest.mark.parametrize("op", list(OPS))
+def test_op_matches_torch(op, variant):
+    if variant not in OPS[op]:
+        pytest.skip(f"{op} is not expected to pass {variant} yet (see OPS)")
+    res = results_for(variant)[op]
+    if res["outcome"] == SKIP:
+        pytest.skip(_describe(res))
+    assert res["outcome"] == PASS, _describe(res)
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_no_wrong_results(variant):
+    # A missing rule raises; a wrong rule silently corrupts training: never acceptable.
+    wrong = [_describe(r) for r in results_for(variant).values() if r["outcome"] == WRONG]
+    assert not wrong, "\n".join(wrong)
+
+
+# ---------------------------------------------------------------- the harness itself
+def test_placement_choices():
+    assert placement_choices((8, 5, 0), "1d") == [("R",), ("S0",)]
+    assert placement_choices((8, 5, 0), "uneven") == [("R",), ("S1",)]
+    assert placement_choices((4, 6), "2d") == [
+        ("R", "R"), ("S0", "R"), ("S1", "R"), ("R", "S0"), ("R", "S1"), ("S0", "S1"), ("S1", "S0"), ("S0", "S0")]
+    assert placement_choices((), "2d") == [("R", "R")]
+
+
+def test_placement_combos():
+    choices = [placement_choices(s, "2d") for s in [(4, 6), (6,), (2, 4, 6)]]
+    combos = placement_combos(choices, "2d", 8, random.Random(0))
+    assert combos == placement_combos(choices, "2d", 8, random.Random(0)), "not deterministic"
+    assert len(combos) == 8 and len(set(combos)) == 8, combos
+    assert combos[0] == (("R", "R"),) * 3, "all-Replicate comes first"
+    assert all(c in cs for combo in combos for c, cs in zip(combo, choices)), combos
+    uneven = placement_combos([placement_choices((5, 3), "uneven")], "uneven", 8, random.Random(0))
+    assert uneven == [(("S0",),), (("S1",),)], "uneven checks shards only"
+
+
+def _lossy_engine(base: Engine, kind: str) -> Engine:
+    """An engine that breaks sharded results: off by one ("wrong") or raising ("error")."""
+
+    def full_tensor(x):
+        sharded = any(p.is_shard() for p in x.placements)
+        if sharded and kind == "error":
+            raise RuntimeError("lossy engine: refuses sharded tensors")
+        return base.full_tensor(x) + (1.0 if sharded else 0.0)
+
+    return base._replace(name=f"lossy-{kind}", full_tensor=full_tensor)
+
+
+def _check_with_lossy_engine(op, variant, kind):
+    name = f"lossy-{kind}"
+    ENGINES[name] = lambda: _lossy_engine(ENGINES["shardprop"](), kind)
+    return check_opinfo(op, variant, name, **CHECK_ARGS)
+
+
+def _check_with_rank_seed(op, variant):
+    return check_opinfo(op, variant, seed=dist.get_rank(), **CHECK_ARGS)
+
+
+@pytest.mark.parametrize("kind, outcome", [("wrong", WRONG), ("error", ERROR)])
+def test_harness_reports_broken_engine(kind, outcome):
+    res = run_on_ranks(4, _check_with_lossy_engine, "mul", "1d", kind)
+    assert [r["outcome"] for r in res] == [outcome] * 4, _describe(res[0])
+    assert res[0]["combo"] and "S" in res[0]["combo"], res[0]
+    assert not res[0]["desync"], res[0]
+
+
+def test_harness_reports_nondeterministic_samples():
+    res = run_on_ranks(4, _check_with_rank_seed, "mul", "1d")
+    assert [r["outcome"] for r in res] == [SKIP] * 4, res[0]
+    assert "nondeterministic samples" in res[0]["detail"], res[0]
