@@ -131,7 +131,7 @@ def einsum_options(eq: Equation, specs, args, kwargs=None) -> list:
         for label in contracted:
             ins = shard_all(label)
             if has_addend_spec:
-                pass
+                ins = (Partial("sum"),) + ins[1:]
             options.append((ins, (Partial("sum"),)))
         first = 1 if has_addend_spec else 0
         for op in LINEAR_REDUCE_OPS:

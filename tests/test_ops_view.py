@@ -117,10 +117,6 @@ def test_chunk_examples():
 
 # ---------------------------------------------------------------- rank side
 
-def _i(x):
-    return x
-
-
 # name -> (global shape, fn on a tensor, never_communicates). never_communicates: the op
 # keeps every shard by definition (permutations, unsqueeze, alias), whatever the layout.
 CASES = {
@@ -166,6 +162,8 @@ CASES = {
     "movedim": ((2, 3, 4), lambda x: x.movedim(0, 2), True),
     "swapaxes": ((2, 3, 4), lambda x: x.swapaxes(1, 2), True),
     "alias": ((4, 6), lambda x: aten.alias(x), True),
+    "view dtype same size": ((4, 6), lambda x: x.view(torch.int64), True),
+    "view dtype halves": ((4, 6), lambda x: x.view(torch.float32), False),  # last dim doubles
     "split 1": ((8, 6), lambda x: x.split(2, 1), False),
     "split 0 uneven": ((7, 6), lambda x: x.split(3, 0), False),
     "split whole": ((8, 6), lambda x: x.split(6, 1), False),
@@ -187,8 +185,8 @@ CASES = {
     "slice_backward": ((4, 2, 6), lambda g: aten.slice_backward(g, [4, 5, 6], 1, 1, 5, 2), False),
 }
 
-# (case, mesh shape, input placements, expected output placements (one tuple per output
-# is not needed: split-like outputs all share it), communication expected?) — by hand:
+# (case, mesh shape, input placements, expected placements of every output, communication?),
+# derived by hand from the chunk arithmetic in the comments, not from running the rule:
 EXPECT = [
     ("view 8x6->48", (4,), (S0,), (S0,), False),        # 2 rows = 12 elements = chunk(48, 4)
     ("view 8x6->48", (4,), (S1,), (R,), True),           # an inner dim cannot survive a flatten
@@ -212,6 +210,8 @@ EXPECT = [
     ("expand size1", (4,), (S0,), (S0,), False),
     ("expand size1", (4,), (S1,), (R,), True),
     ("expand size1", (4,), (P,), (P,), False),
+    ("view dtype halves", (4,), (S0,), (S0,), False),
+    ("view dtype halves", (4,), (S1,), (R,), True),
     ("transpose", (2, 2), (S0, S1), (S1, S0), False),
     ("permute", (4,), (S2,), (S0,), False),
     ("movedim", (2, 2), (S0, S2), (S2, S1), False),
