@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from shardprop import dispatch as _dispatch
 from shardprop.layout import local_shape_and_offset
 from shardprop.op_schema import _marker
 from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import rule
+from shardprop.registry import register_local_call, rule
 from shardprop.spec import DTensorSpec
 
 aten = torch.ops.aten
@@ -221,11 +220,5 @@ def _renorm_own_rows(op, out, largs, lkwargs):
     return op(weight, local[(local >= 0) & (local < rows)], *rest, **lkwargs)
 
 
-def _handler(compute):
-    def handler(op, args, kwargs):
-        return _dispatch.dispatch_default(op, args, kwargs, compute=compute)
-    return handler
-
-
-_dispatch.register_special(aten.embedding.default, _handler(_masked_lookup))
-_dispatch.register_special(aten.embedding_renorm_.default, _handler(_renorm_own_rows))
+register_local_call(aten.embedding.default, _masked_lookup)
+register_local_call(aten.embedding_renorm_.default, _renorm_own_rows)

@@ -102,7 +102,11 @@ def _name(op) -> str:
     return op.overloadpacket.__name__.rstrip("_")
 
 
-@rule(*_packets(UNARY + BINARY))
+# Elementwise overloads of packets whose other overloads are reductions (ops/reduction.py).
+ELEMENTWISE_OVERLOADS = [aten.max.other, aten.min.other]
+
+
+@rule(*_packets(UNARY + BINARY), *ELEMENTWISE_OVERLOADS)
 def pointwise(ctx):
     name = _name(ctx.op)
     return pointwise_options(ctx, linear_all=name in LINEAR_ALL, linear_first=name in LINEAR_FIRST)

@@ -4,7 +4,8 @@ Each op has a builder that turns the call into one dim map per output; one full
 rule (``per_dim=False``: a mesh dim's answer depends on earlier mesh dims sharding
 the same tensor dim) keeps every shard the map carries exactly and replicates the
 rest. Options: that one first (the input unchanged when everything survives),
-then all-Replicate. Partial passes through unchanged: every view is linear.
+then all-Replicate. Partial passes through unchanged: every view is linear
+(except ``view.dtype`` to another dtype, which reinterprets bits).
 
 What reaches ``__torch_dispatch__`` (torch 2.13). With autograd on or under
 ``no_grad``, composite ops decompose first: ``reshape`` -> ``view`` (or ``clone`` +
@@ -42,7 +43,7 @@ from shardprop import dispatch as _dispatch
 from shardprop.layout import local_shape_and_offset
 from shardprop.placement import Replicate
 from shardprop.propagate import ShardingError
-from shardprop.registry import rule
+from shardprop.registry import register_local_call, rule
 
 from .dim_maps import (Resized, Same, cut_map, embed_map, expand_map, identity_map, map_placements,
                        movedim_perm, permute_map, squeeze_map, transpose_map, unsqueeze_map, view_map)
@@ -240,6 +241,10 @@ def view_rule(ctx):
     spec = ctx.specs[0]
     maps = BUILDERS[ctx.op](ctx)
     ins, outs = map_placements(maps, spec.shape, spec.mesh.shape, spec.placements)
+    if ctx.op is aten.view.dtype and ctx.out_metas[0].dtype != spec.dtype:
+        # Reinterpreting bits is not linear: the bits of a sum are not the sum of the bits.
+        ins = tuple(Replicate() if p.is_partial() else p for p in ins)
+        outs = tuple(tuple(Replicate() if p.is_partial() else p for p in o) for o in outs)
     rest = tuple(s.placements for s in ctx.specs[1:])
     options = [((ins,) + rest, outs)]
     rep = (Replicate(),) * spec.mesh.ndim
@@ -327,12 +332,8 @@ LOCAL_CALLS = {
 }
 
 
-def _local_call_handler(op, args, kwargs):
-    return _dispatch.dispatch_default(op, args, kwargs, compute=LOCAL_CALLS[op])
-
-
-for _op in LOCAL_CALLS:
-    _dispatch.register_special(_op, _local_call_handler)
+for _op, _call in LOCAL_CALLS.items():
+    register_local_call(_op, _call)
 
 
 # ------------------------------------------------------------------ in-place views
@@ -375,7 +376,7 @@ def _inplace_handler(op, args, kwargs):
             return aten.squeeze_.dims(largs[0], _squeezed_dims(out.in_specs[0], largs))
         return op(*largs, **lkwargs)  # in place on x's local tensor: its aliases see it too
 
-    res = _dispatch.dispatch_default(INPLACE[op], args, kwargs, compute=compute)
+    res = _dispatch.run(INPLACE[op], args, kwargs, compute=compute)
     x._spec = res._spec
     _set_wrapper_meta(x, res._spec)
     return x

@@ -126,13 +126,24 @@ def dispatch(op, args=(), kwargs=None):
 
 
 def torch_dispatch(cls, op, types, args=(), kwargs=None):
-    """DTensor.__torch_dispatch__ itself: the hot path (no wrapper frame in between)."""
+    """DTensor.__torch_dispatch__: special handlers first, else the rule-based path."""
     rec = _OPS.get(op)
     if rec is None:
         rec = _op_record(op)
     if rec[0] is not None:
         return rec[0](op, args, kwargs)
     rec[2] += 1
+    return run(op, args, kwargs, None, rec)
+
+
+def run(op, args, kwargs=None, compute=None, rec=None):
+    """The rule-based path: flatten once, propagate (cached), redistribute if needed, compute, wrap.
+
+    ``compute(op, out, largs, lkwargs)`` (for special handlers) replaces the local call.
+
+    Example:
+        >>> run(aten.embedding.default, (w, idx), {}, compute=masked_lookup)  # doctest: +SKIP
+    """
     largs, key = [], []
     _flatten(args, largs, key)
     if kwargs:
@@ -143,13 +154,17 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
     else:
         lkwargs = {}
         kkey = ()
+    if rec is None:
+        rec = _OPS.get(op) or _op_record(op)
     schema = OpSchema(op, tuple(key), kkey, rec[1])
     out = _propagate(schema)
     if out.needs_redistribute:
         largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
     if recorder is not None:
         recorder.record(schema, out)
-    res = op(*largs, **lkwargs)
+    if compute is None:
+        compute = out.local_call
+    res = op(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     returns = out.returns
     if returns == "tensor":
         spec = out.out_specs[0]
@@ -165,7 +180,7 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
         wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
         return tuple(wrapped) if returns == "tuple" else wrapped
     if returns == "out":
-        return kwargs["out"]
+        return _written(op, kwargs)
     return res
 
 
@@ -186,13 +201,20 @@ def _redistribute_inputs(op, args, kwargs, out, schema):
         return a
 
     largs = [local_of(a) for a in args]
+    written = _prop.written_kwargs(op)
     lkwargs = {}
     for k, v in (kwargs or {}).items():
-        if k == "out":  # written, not read: never redistributed
+        if k in written:  # written, not read: never redistributed
             lkwargs[k] = _dt_local(v)
         else:
             lkwargs[k] = local_of(v)
     return largs, lkwargs
+
+
+def _written(op, kwargs):
+    """What an out= variant returns: the DTensor(s) it wrote into."""
+    names = _prop.written_kwargs(op)
+    return kwargs[names[0]] if len(names) == 1 else tuple(kwargs[n] for n in names)
 
 
 def _dt_local(v):
@@ -201,44 +223,6 @@ def _dt_local(v):
     if isinstance(v, (list, tuple)):
         return [_dt_local(x) for x in v]
     return v
-
-
-def dispatch_default(op, args, kwargs, compute=None):
-    """The rule-based path for ``op`` (propagate, redistribute, compute, wrap), ignoring SPECIAL.
-
-    For special handlers that fall through to the normal path, or that only change the
-    local computation: ``compute(op, out, largs, lkwargs)`` (``out`` the OutputSharding,
-    local arguments already redistributed) replaces ``op(*largs, **lkwargs)``. Not the hot
-    path: ``dispatch`` does the same inline.
-
-    Example:
-        >>> dispatch_default(aten.embedding.default, (w, idx), {}, compute=masked)  # doctest: +SKIP
-    """
-    rec = _OPS.get(op) or _op_record(op)
-    rec[2] += 1
-    kwargs = kwargs or {}
-    largs, key, vals, kkey = [], [], [], []
-    _flatten(args, largs, key)
-    _flatten(kwargs.values(), vals, kkey)
-    lkwargs = dict(zip(kwargs.keys(), vals))
-    schema = OpSchema(op, tuple(key), tuple(zip(kwargs.keys(), kkey)))
-    out = _propagate(schema)
-    if out.needs_redistribute:
-        largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
-    if recorder is not None:
-        recorder.record(schema, out)
-    res = op(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
-    returns = out.returns
-    if returns == "tensor":
-        return wrap(res, out.out_specs[0])
-    if returns == "self":
-        return args[0] if res is not None else None
-    if returns == "tuple" or returns == "list":
-        wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
-        return tuple(wrapped) if returns == "tuple" else wrapped
-    if returns == "out":
-        return kwargs["out"]
-    return res
 
 
 _dt._dispatch = dispatch

@@ -127,4 +127,4 @@ class OutputSharding:
     needs_redistribute: bool
     returns: str
     candidates: tuple = ()
-    note: Optional[str] = None
+    local_call: Optional[object] = None  # replaces op(*local_args) where the plain call is wrong

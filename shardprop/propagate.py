@@ -42,8 +42,10 @@ class PropContext:
         self.args = schema.args
         self.kwargs = schema.kwargs_dict
         specs = schema.specs
-        if "out" in self.kwargs:  # out= tensors are written, not read: not the rule's inputs
-            self.kwargs.pop("out")
+        written = written_kwargs(schema.op)
+        if written:  # out= tensors are written, not read: not the rule's inputs
+            for name in written:
+                self.kwargs.pop(name, None)
             specs = OpSchema(schema.op, schema.args, tuple(self.kwargs.items())).specs
         self.specs = specs
         self.mesh = specs[0].mesh if specs else None
@@ -138,6 +140,16 @@ def _op_alias(op):
     if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
         return "out"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def written_kwargs(op) -> tuple:
+    """Names of the keyword-only arguments ``op`` writes into (``out``, ``values``/``indices``, ...)."""
+    try:
+        return tuple(a.name for a in op._schema.arguments
+                     if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+    except AttributeError:
+        return ()
 
 
 def returns_kind(op, out) -> str:
@@ -289,7 +301,7 @@ def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
         raise ShardingError(f"{op}: in-place op would change its target from {list(ctx.specs[0].placements)} "
                             f"to {list(out_specs[0].placements)}")
     return OutputSharding(tuple(out_specs), in_specs, plans, any(p is not None for p in plans), returns,
-                          candidates)
+                          candidates, registry.LOCAL_CALLS.get(op))
 
 
 def _normalize_out(placements, ndim: int, where: str) -> tuple:
@@ -304,8 +316,11 @@ def _normalize_out(placements, ndim: int, where: str) -> tuple:
 
 
 def _check_out(schema: OpSchema, out_specs, where):
-    out = dict(schema.kwargs)["out"]
-    given = out if type(out) is tuple else (out,)
+    kw = dict(schema.kwargs)
+    given = []
+    for name in written_kwargs(schema.op):
+        v = kw.get(name)
+        given.extend(v if type(v) is tuple else (v,))
     for g, s in zip(given, out_specs):
         if type(g) is DTensorSpec and s is not None and g.placements != s.placements:
             raise ShardingError(f"{schema.op}: the out= DTensor is {list(g.placements)} but the result is "

@@ -266,7 +266,9 @@ def _run_gather(local, step: Step, cur, spec, owned, async_op):
             b = buf.view(k, *shape).movedim(0, d)
             merged = list(shape)
             merged[d] = k * c
-            return b.reshape(merged).narrow(d, 0, n)
+            out = b.reshape(merged)
+            # Uneven: drop the padding with one more copy, so the shard stays contiguous.
+            return out if n == k * c else out.narrow(d, 0, n).contiguous()
     return C.all_gather(piece, spec.mesh, (m,), async_op=async_op, finish=fix, finish_shape=shape)
 
 

@@ -19,6 +19,10 @@ from typing import Callable, Dict, Iterable, Optional
 import torch
 
 _BUILTIN: Dict[object, "Rule"] = {}
+# op -> local_call(op, output_sharding, local_args, local_kwargs): how to run the op on the
+# shards when the plain call with the global arguments is wrong (sizes given globally, a
+# masked lookup on a vocab shard). Chosen once per schema, at propagation.
+LOCAL_CALLS: Dict[object, Callable] = {}
 _USER: Dict[object, "Rule"] = {}
 _listeners = []  # called when rules change (the propagation cache clears itself)
 
@@ -56,6 +60,19 @@ def rule(*ops, per_dim: bool = True):
         _changed()
         return fn
     return deco
+
+
+def register_local_call(op, fn: Callable) -> None:
+    """Run ``op`` on the shards with ``fn(op, out, largs, lkwargs)`` instead of ``op(*largs, **lkwargs)``.
+
+    ``out`` is the OutputSharding (its ``in_specs``/``out_specs`` say what this rank holds).
+
+    Example:
+        >>> register_local_call(aten.view.default, view_with_local_sizes)  # doctest: +SKIP
+    """
+    for o in _overloads(op):
+        LOCAL_CALLS[o] = fn
+    _changed()
 
 
 def lookup(op) -> Optional[Rule]:

@@ -40,7 +40,7 @@ _results = {}  # variant -> {op: result}
 
 
 def results_for(variant):
-    """Every op of OPS checked for ``variant`` (one batched pool run, cached for the session)."""
+    """Every op of OPS checked for ``variant`` (batched pool runs, cached for the session)."""
     if variant not in _results:
         _results[variant] = run_checks(get_pool(4), list(OPS), variant, chunk=15, **CHECK_ARGS)
     return _results[variant]
