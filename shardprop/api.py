@@ -14,7 +14,9 @@ from shardprop.placement import Partial, Replicate, Shard, normalize_placements
 def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src_data_rank: Optional[int] = 0) -> DTensor:
     """Distribute ``tensor`` over ``device_mesh`` with ``placements``.
 
-    The data of global rank ``src_data_rank`` is what every rank ends up with:
+    The data of the rank at flat index ``src_data_rank`` of the mesh (the global rank,
+    for a mesh over all ranks in order; a sub-mesh's own first rank by default) is what
+    every rank ends up with:
     it is scattered along Shard mesh dims and broadcast along the others, one
     mesh dim after another, so each rank receives only its own piece. With
     ``src_data_rank=None`` every rank cuts its shard from its own tensor.
@@ -49,10 +51,14 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
 
 def _from_source(full: torch.Tensor, mesh, placements, src: int) -> torch.Tensor:
     """Scatter/broadcast the source rank's data along each mesh dim in turn (outermost first)."""
-    flat = mesh.mesh.flatten().tolist()
-    if src not in flat:
-        raise ValueError(f"distribute_tensor: src_data_rank {src} is not in {mesh}")
-    src_coord = [int(c) for c in (mesh.mesh == src).nonzero()[0].tolist()]
+    n = mesh.size()
+    if not 0 <= src < n:
+        raise ValueError(f"distribute_tensor: src_data_rank {src} is out of range for {mesh} ({n} ranks)")
+    src_coord = []
+    for size in reversed(mesh.shape):  # the mesh position of flat index src, row-major
+        src_coord.append(src % size)
+        src //= size
+    src_coord.reverse()
     me = mesh._coord
     data = full.contiguous()
     for m, p in enumerate(placements):

@@ -107,8 +107,8 @@ class Redistribute(torch.autograd.Function):
         if grad._spec.placements != target:
             local = redistribute_local(grad._local_tensor, grad._spec, target)
             grad = _dt.DTensor(local, grad._spec.with_placements(target))
-        if any(type(p) is Partial and p.reduce_op == "avg" for p in src.placements):
-            grad = _dt.DTensor(_scale_avg(grad._local_tensor, src.placements, src.mesh), grad._spec)
+        # No scaling: redistribution keeps the value, so the gradient of the value passes as is
+        # (the 1/n of an average belongs to from_local, where local values become the value).
         return grad, None, None
 
 

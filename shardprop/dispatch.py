@@ -166,7 +166,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         compute = out.local_call
     res = op(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     returns = out.returns
-    if returns == "tensor":
+    if returns == "tensor":  # wrap() inlined: the common case, on the hot path
         spec = out.out_specs[0]
         m = spec.tensor_meta
         r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device,

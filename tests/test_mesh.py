@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardprop import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from shardprop import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import AsyncTensor
 from tests.rankpool import run_on_ranks
