@@ -80,7 +80,7 @@ def _with_skipped(ctx, options, skipped):
         return options
     specs = ctx.specs
     variants = list(dict.fromkeys(
-        tuple(s.placements[m] for s, free in zip(specs, skipped) if free) for m in range(ctx.mesh.ndim)))
+        tuple(Replicate() for s, free in zip(specs, skipped) if free) for m in range(ctx.mesh.ndim)))
     out = []
     for ins, outs in options:
         for v in variants:
@@ -108,9 +108,9 @@ def cat_rule(ctx):
     # Shards carry over only when no input changes rank on its way in (atleast_Nd).
     if n_real and out_ndim and all(s.ndim == out_ndim for s, free in zip(specs, skipped) if not free):
         d = CAT_DIM[ctx.op.overloadpacket](ctx) % out_ndim
-        options += [_same_everywhere(n_real, n_out, Shard(e)) for e in range(out_ndim)]
+        options += [_same_everywhere(n_real, n_out, Shard(e)) for e in range(out_ndim) if e != d]
     options.append(_same_everywhere(n_real, n_out, Replicate()))
-    options += [_same_everywhere(n_real, n_out, p) for p in PARTIALS]
+    options += [_same_everywhere(n_real, n_out, p) for p in PARTIALS[:1]]
     return _with_skipped(ctx, options, skipped)
 
 
@@ -124,7 +124,7 @@ def stack_rule(ctx):
     n_out = len(ctx.out_metas)
     out_ndim = len(ctx.out_metas[0].shape)
     d = STACK_DIM[ctx.op.overloadpacket](ctx) % out_ndim
-    options = [_same_everywhere(n_in, n_out, Shard(e), Shard(e)) for e in range(out_ndim - 1)]
+    options = [_same_everywhere(n_in, n_out, Shard(e), Shard(e if e < d else e + 1)) for e in range(out_ndim - 1)]
     options.append(_same_everywhere(n_in, n_out, Replicate()))
     options += [_same_everywhere(n_in, n_out, p) for p in PARTIALS]
     return options

@@ -69,7 +69,8 @@ def wrap(local: torch.Tensor, spec) -> "DTensor":
 
 
 def _plain_tensor_error(a) -> Exception:
-    return TypeError(
+    # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
+    return _prop.ShardingError(
         f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)}; only 0-dim "
         "tensors and Python scalars are treated as replicated. Make it a DTensor first with "
         "shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements).")
