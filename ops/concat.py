@@ -80,7 +80,7 @@ def _with_skipped(ctx, options, skipped):
         return options
     specs = ctx.specs
     variants = list(dict.fromkeys(
-        tuple(Replicate() for s, free in zip(specs, skipped) if free) for m in range(ctx.mesh.ndim)))
+        tuple(s.placements[m] for s, free in zip(specs, skipped) if free) for m in range(ctx.mesh.ndim)))
     out = []
     for ins, outs in options:
         for v in variants:
@@ -110,7 +110,7 @@ def cat_rule(ctx):
         d = CAT_DIM[ctx.op.overloadpacket](ctx) % out_ndim
         options += [_same_everywhere(n_real, n_out, Shard(e)) for e in range(out_ndim) if e != d]
     options.append(_same_everywhere(n_real, n_out, Replicate()))
-    options += [_same_everywhere(n_real, n_out, p) for p in PARTIALS[:1]]
+    options += [_same_everywhere(n_real, n_out, p) for p in PARTIALS]
     return _with_skipped(ctx, options, skipped)
 
 

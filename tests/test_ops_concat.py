@@ -5,6 +5,7 @@
 * Expectations derived from the chunk arithmetic, not from the rule: a shard every
   input shares off the cat dim is kept with no collective; a shard on the cat dim is
   gathered; a shared Partial stays Partial; stack moves input dim e to e or e + 1.
+* concat/hstack/vstack/dstack/column_stack under inference_mode match torch.
 * Backward of split / chunk / unbind (cat / stack of the gradients) matches torch,
   and keeps a shard off the split dim without communication.
 * ``check_sharding_rule`` finds no incorrect entry (and none missing) for cat and stack,
@@ -164,6 +165,46 @@ def _out_variants():
 
 def test_out_variants():
     assert run_on_ranks(4, _out_variants)[0] == [(True, True, True)] * 2
+
+
+# Composites that reach __torch_dispatch__ themselves under inference_mode: name -> (shapes, fn).
+# 1-d inputs to vstack/dstack/column_stack change rank on the way in (atleast_Nd).
+INFERENCE = {
+    "concat": ([(5, 3), (5, 2)], lambda xs: torch.concat(xs, 1)),
+    "concatenate": ([(3, 4), (2, 4)], lambda xs: torch.concatenate(xs, -2)),
+    "hstack 2d": ([(5, 3), (5, 2)], torch.hstack),
+    "hstack 1d": ([(5,), (3,)], torch.hstack),
+    "vstack 2d": ([(3, 5), (2, 5)], torch.vstack),
+    "vstack 1d": ([(5,), (5,)], torch.vstack),
+    "dstack 3d": ([(3, 5, 1), (3, 5, 2)], torch.dstack),
+    "dstack 2d": ([(3, 5), (3, 5)], torch.dstack),
+    "column_stack 1d": ([(5,), (5,)], torch.column_stack),
+    "column_stack 2d": ([(5, 2), (5, 3)], torch.column_stack),
+}
+
+
+def _inference(mesh_shape):
+    from shardprop import distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", mesh_shape)
+    problems = []
+    with torch.inference_mode():
+        for ci, (name, (shapes, fn)) in enumerate(INFERENCE.items()):
+            fulls = [_full(sh, 10 * ci + i) for i, sh in enumerate(shapes)]
+            want = fn(fulls)
+            for pl in _layouts(len(shapes[0]), len(mesh_shape)):
+                try:
+                    y = fn([distribute_tensor(f, mesh, pl) for f in fulls])
+                    if y.shape != want.shape or not torch.allclose(y.full_tensor(), want):
+                        problems.append(f"{name} {pl}: wrong result")
+                except Exception as e:
+                    problems.append(f"{name} {pl}: {type(e).__name__}: {str(e)[:300]}")
+    return problems
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d", "2x2"])
+def test_inference_mode_composites(mesh_shape):
+    problems = run_on_ranks(4, _inference, mesh_shape, timeout=300)[0]
+    assert not problems, "\n".join(problems[:30])
 
 
 # name -> (shape, fn making a list of pieces, split dim). The loss is the sum of the pieces'
