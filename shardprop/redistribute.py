@@ -105,8 +105,9 @@ def plan_redistribute(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -
         (all_gather@[0]: [S(0)]->[R] (...),)
     """
     n = len(dst_placements)
-    cur = list(src.placements)
     dst = list(dst_placements)
+    # A mesh dim of size 1 splits nothing and reduces nothing: its placement is a label.
+    cur = [dst[m] if src.mesh.shape[m] == 1 else p for m, p in enumerate(src.placements)]
     changed = _changed(cur, dst)
     steps: List[Step] = []
 
@@ -394,8 +395,10 @@ def transition_cost(src: Placement, dst: Placement, local_bytes: float, k: int) 
         >>> transition_cost(Shard(0), Replicate(), 1024, 4)
         7168.0
     """
-    if src == dst or k == 1:
+    if src == dst:
         return 0.0
+    if k == 1:
+        return 0.5  # free relabel, but keeping the input as it is wins ties
     ts, td = type(src), type(dst)
     if ts is Replicate:
         return 1.0 if td is Shard else 2.0  # local work only; prefer no change at all

@@ -17,7 +17,9 @@ Mesh variants (``VARIANTS``):
 
 Outcomes: ``"pass"`` (every checked combination equal), ``"wrong"`` (a result differs
 without raising: the worst), ``"error"`` (raised; the first exception is recorded),
-``"skip"`` (nothing to check). Rank side: ``check_opinfo`` / ``check_many`` run on every
+``"skip"`` (nothing to check: no float32 or autograd support, random ops, samples that
+differ between ranks). Ranks agree after every sample and combination through a process
+group of the harness's own, so an error on some ranks only is reported, not a hang. Rank side: ``check_opinfo`` / ``check_many`` run on every
 rank of a gloo world of 4 (``tests.rankpool``); parent side: ``run_checks`` batches ops
 into pool runs and isolates an op that hangs or kills a rank::
 
@@ -33,7 +35,6 @@ same checks run against shardprop or the reference ``torch.distributed.tensor``.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import random
 import time
 import warnings
@@ -42,10 +43,10 @@ from typing import Callable, NamedTuple
 
 PASS, WRONG, ERROR, SKIP = "pass", "wrong", "error", "skip"
 OUTCOMES = (PASS, WRONG, ERROR, SKIP)
-# Worst first: an op's outcome is the worst over its samples and combinations.
+# An op's outcome is the worst over its samples and combinations (and its OpInfos).
 _SEVERITY = {WRONG: 3, ERROR: 2, PASS: 1, SKIP: 0}
 
-# variant -> (mesh shape, what decides a tensor's placement choices)
+# variant -> mesh shape (placement_choices says what each variant shards)
 VARIANTS = {
     "1d": (4,),
     "2d": (2, 2),
@@ -295,8 +296,6 @@ def draw_samples(op, variant: str, seed: int, max_samples: int, requires_grad: b
     rank: the generator is reseeded before each sample. Samples that give the variant
     something to shard come first.
     """
-    import torch
-
     # reference_inputs = sample_inputs plus larger and extremal cases where the op has them.
     # OpInfo sizes are mostly 5 and 10, so without the larger ones even shards over 4 ranks
     # would hardly ever occur. Some reference inputs reject requires_grad: then the samples.
