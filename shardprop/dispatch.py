@@ -90,6 +90,13 @@ def _flatten(seq, largs: list, key: list) -> None:
             largs.append(a)
             key.append(FLOAT)
         elif t is list or t is tuple:
+            for x in a:  # sizes and dims (all ints) pass as they are: no sub-lists to build
+                if type(x) is not int:
+                    break
+            else:
+                largs.append(a)
+                key.append(tuple(a) if t is list else a)
+                continue
             sub_l, sub_k = [], []
             _flatten(a, sub_l, sub_k)
             largs.append(sub_l)

@@ -5,7 +5,8 @@ equality short-cuts on identity.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import NamedTuple, Tuple
 
 import torch
@@ -21,32 +22,38 @@ class TensorMeta(NamedTuple):
     dtype: torch.dtype
 
 
+class _Interned(type):
+    """Metaclass: equal specs are one object, so cache keys hash and compare them by identity (in C)."""
+
+    def __call__(cls, mesh, placements, tensor_meta):
+        key = (mesh, placements, tensor_meta)
+        spec = cls._pool.get(key)
+        if spec is None:
+            spec = super().__call__(mesh, placements, tensor_meta)
+            cls._pool[key] = spec
+        return spec
+
+
 @dataclass(frozen=True, eq=False)
-class DTensorSpec:
-    """How a global tensor is laid out over a mesh.
+class DTensorSpec(metaclass=_Interned):
+    """How a global tensor is laid out over a mesh (interned: one object per distinct spec).
 
     Example:
         >>> spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))  # doctest: +SKIP
-        >>> spec.placements  # doctest: +SKIP
-        (S(0),)
+        >>> spec is DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))  # doctest: +SKIP
+        True
     """
 
     mesh: object
     placements: Tuple[Placement, ...]
     tensor_meta: TensorMeta
-    _hash: int = field(init=False, repr=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.tensor_meta)))
+    # Identity hash and equality (object's, in C): interning makes them value semantics.
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        if self is other:
-            return True
-        return (isinstance(other, DTensorSpec) and self._hash == other._hash and self.placements == other.placements
-                and self.tensor_meta == other.tensor_meta and self.mesh == other.mesh)
+    def __reduce__(self):
+        return (DTensorSpec, (self.mesh, self.placements, self.tensor_meta))
 
     def __repr__(self) -> str:
         return f"Spec({list(self.placements)}, shape={tuple(self.shape)}, {self.dtype})"
@@ -78,3 +85,7 @@ class DTensorSpec:
     @property
     def has_partial(self) -> bool:
         return any(type(p) is Partial for p in self.placements)
+
+
+# Weak values: a spec lives as long as a DTensor or a cache entry holds it.
+DTensorSpec._pool = weakref.WeakValueDictionary()

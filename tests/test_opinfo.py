@@ -29,8 +29,11 @@ OPS = {
     # views and tensor ops
     "clone": ALL, "view": ALL, "reshape": ALL, "transpose": ALL, "permute": ALL, "t": ALL, "expand": ALL,
     "squeeze": ALL, "squeeze.multiple": ALL, "unsqueeze": ALL, "flatten": ALL, "unflatten": ALL, "split": ALL,
-    "split.list_args": ALL, "chunk": ALL, "unbind": ALL, "narrow": ALL, "select": ALL, "__getitem__": ALL,
+    "split.list_args": ALL, "chunk": ALL, "unbind": ALL, "narrow": ALL, "select": ALL,
     "movedim": ALL,
+    # x[[1, 2]] builds a plain index tensor (aten.index.Tensor): advanced indexing is for the
+    # op-coverage issue; until then no variant is expected to pass, but none may be wrong.
+    "__getitem__": (),
 }
 
 # Few samples and combinations per op: enough to exercise every rule path, fast enough for CI.
