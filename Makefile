@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: demo test bench install
+.PHONY: demo test bench sweep install
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -20,6 +20,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/redistribute.py
+	$(PY) bench/dispatch.py
 
 sweep: $(STAMP)
 	$(PY) bench/op_sweep.py

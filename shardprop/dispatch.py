@@ -24,7 +24,7 @@ _scalar_keys = {}
 
 # op -> handler(op, args, kwargs) for ops that need more than a rule. Use register_special.
 SPECIAL = {}
-# op -> [special handler or None, hash(op), calls]: one dict lookup per call gives all three
+# op -> [special handler or None, hash(op), calls, callable]: one dict lookup per call gives all
 # (OpOverload hashes in Python; hashing it once here saves that on every call).
 _OPS = {}
 
@@ -44,7 +44,8 @@ def register_special(op, handler) -> None:
 
 
 def _op_record(op) -> list:
-    rec = _OPS[op] = [SPECIAL.get(op), hash(op), 0]
+    # [special handler, hash(op), calls, the C++ callable behind op(...) (skips a Python frame)]
+    rec = _OPS[op] = [SPECIAL.get(op), hash(op), 0, getattr(op, "_op", op)]
     return rec
 
 
@@ -172,13 +173,12 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         recorder.record(schema, out)
     if compute is None:
         compute = out.local_call
-    res = op(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
+    res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     returns = out.returns
     if returns == "tensor":  # wrap() inlined: the common case, on the hot path
         spec = out.out_specs[0]
         m = spec.tensor_meta
-        r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device,
-                           layout=res.layout, requires_grad=False)
+        r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device)
         r._local_tensor = res
         r._spec = spec
         return r
