@@ -56,7 +56,7 @@ def _cases():
         return torch.randn(*s, generator=g)
 
     a, b, bias = r(64, 64), r(64, 64), r(64)
-    x, w, lnw, lnb = r(32, 64), r(64), r(64), r(64)
+    x, lnw, lnb = r(32, 64), r(64), r(64)
     idx, emb = torch.randint(0, 100, (32,), generator=g), r(100, 64)
     lin = torch.nn.Linear(64, 64)
     return {

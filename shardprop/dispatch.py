@@ -62,8 +62,7 @@ def reset_counts() -> None:
 def wrap(local: torch.Tensor, spec) -> "DTensor":
     """A DTensor over ``local`` with ``spec`` (no autograd history)."""
     m = spec.tensor_meta
-    r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=local.device,
-                       layout=local.layout, requires_grad=False)
+    r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=local.device)
     r._local_tensor = local
     r._spec = spec
     return r
@@ -233,5 +232,4 @@ def _dt_local(v):
     return v
 
 
-_dt._dispatch = dispatch
 DTensor.__torch_dispatch__ = classmethod(torch_dispatch)

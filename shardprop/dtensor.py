@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from shardprop.layout import chunk_bounds, local_shape_and_offset
-from shardprop.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.layout import local_shape_and_offset
+from shardprop.placement import Replicate, normalize_placements
 from shardprop.spec import DTensorSpec, TensorMeta
 
 
@@ -55,7 +55,8 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs)
+        # Replaced by shardprop.dispatch.torch_dispatch when shardprop is imported.
+        raise RuntimeError("shardprop.dispatch is not imported: import shardprop")
 
     def __tensor_flatten__(self):
         return ["_local_tensor"], (self._spec, self.requires_grad)
@@ -149,6 +150,3 @@ def local_chunk(full: torch.Tensor, mesh, placements) -> torch.Tensor:
             out = out.narrow(d, off, ln)
     return out.contiguous()
 
-
-# Set by shardprop.dispatch at import (it imports this module, so it cannot be imported here).
-_dispatch = None

@@ -8,18 +8,17 @@ the same. Output tensor meta comes from running the op once on meta tensors.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 import warnings
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
 
 from shardprop import registry, stats
 from shardprop.op_schema import COMPLEX, FLOAT, Candidate, OpSchema, OutputSharding, ScalarTensor, _Marker
-from shardprop.placement import Partial, Placement, Replicate, Shard
-from shardprop.redistribute import plan_redistribute, transition_cost
+from shardprop.placement import Replicate, Shard
+from shardprop.redistribute import local_bytes, plan_redistribute, transition_cost
 from shardprop.spec import DTensorSpec, TensorMeta
 
 _fallback_to_replicate = os.environ.get("SHARDPROP_FALLBACK_REPLICATE", "0") == "1"
@@ -166,14 +165,6 @@ def returns_kind(op, out) -> str:
 
 
 # ------------------------------------------------------------ selection
-def _local_bytes(spec: DTensorSpec) -> float:
-    n = math.prod(spec.shape) * spec.dtype.itemsize
-    for m, p in enumerate(spec.placements):
-        if type(p) is Shard:
-            n /= spec.mesh.shape[m]
-    return n
-
-
 def _norm_option(opt, n_in: int, where: str):
     if not isinstance(opt, (tuple, list)) or len(opt) != 2:
         raise ShardingError(f"{where}: each option must be (input_placements, output_placements), got {opt!r}")
@@ -188,7 +179,7 @@ def _choose_per_dim(ctx: PropContext, options, self_fixed: bool) -> tuple:
     """Pick, for each mesh dim, the cheapest (first on ties) per-dim option."""
     specs = ctx.specs
     mesh = ctx.mesh
-    sizes = [_local_bytes(s) for s in specs]
+    sizes = [local_bytes(s, s.placements) for s in specs]
     chosen_in = [[None] * mesh.ndim for _ in specs]
     chosen_out = None
     candidates = []

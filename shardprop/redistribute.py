@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -63,7 +63,8 @@ class Plan:
         return tuple(s for s in self.steps if COST_FACTOR[s.kind] > 0)
 
 
-def _local_bytes(spec: DTensorSpec, placements) -> float:
+def local_bytes(spec: DTensorSpec, placements) -> float:
+    """Bytes of one rank's shard of ``spec`` laid out as ``placements`` (even split: a cost estimate)."""
     numel = math.prod(spec.shape) if spec.ndim else 1
     for m, p in enumerate(placements):
         if type(p) is Shard:
@@ -78,9 +79,9 @@ def _step(kind: str, dims, cur: List[Placement], dst, spec: DTensorSpec) -> Step
         after = list(cur)
         for m in dims:
             after[m] = Replicate()
-        moved = _local_bytes(spec, after) * (k - 1) / k
+        moved = local_bytes(spec, after) * (k - 1) / k
     elif kind in ("all_reduce", "reduce_scatter", "all_to_all"):
-        moved = _local_bytes(spec, cur) * (k - 1) / k
+        moved = local_bytes(spec, cur) * (k - 1) / k
     else:
         moved = 0
     return Step(kind, dims, tuple(cur[m] for m in dims), tuple(dst), int(moved))
@@ -354,8 +355,7 @@ def _run_reduce_scatter(local, step: Step, cur, spec, owned, async_op):
 
 
 def _run_all_reduce(local, step: Step, cur, spec, owned, async_op):
-    dims = step.mesh_dims if len(step.mesh_dims) > 1 else step.mesh_dims[0:1]
-    return C.all_reduce(local, spec.mesh, tuple(dims), step.src[0].reduce_op, async_op=async_op, inplace=owned)
+    return C.all_reduce(local, spec.mesh, step.mesh_dims, step.src[0].reduce_op, async_op=async_op, inplace=owned)
 
 
 def _run_chunk(local, step: Step, cur, spec, owned, async_op):
