@@ -19,8 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) bench/redistribute.py
-	$(PY) bench/dispatch.py
+	$(PY) bench/run_all.py
 
 sweep: $(STAMP)
 	$(PY) bench/op_sweep.py

@@ -5,10 +5,15 @@ rank's piece into one output, reduce-scatter reads every piece from one input,
 all-to-all sends dim-0 slices. Callers lay tensors out so that no flatten or
 unflatten copy is needed (redistribute.py does that). With ``async_op=True``
 each returns an :class:`AsyncTensor` that waits on first use.
+
+Every collective issued here is counted while a :func:`comm_counter` is active
+(one global check when none is). This module is the only place shardprop
+issues collectives for tensor data, so the counter sees all of them.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,69 @@ _REDUCE_OPS = {
 }
 
 MeshDims = Union[int, str, Tuple[int, ...]]
+
+# The counters now active (a nested counter counts too); empty means "count nothing".
+_counters: tuple = ()
+
+
+class CommCounter:
+    """Collectives issued while active: ``counts`` maps kind -> (count, bytes).
+
+    ``bytes`` is the size of the tensor this rank hands to the collective (its input:
+    the local piece for all_gather, the full input for reduce_scatter and all_to_all,
+    the tensor for all_reduce and broadcast) or, for scatter, of the piece it receives.
+    It is a payload size, not the wire traffic of a particular algorithm.
+
+    Example:
+        >>> with comm_counter() as c:  # doctest: +SKIP
+        ...     y = x.redistribute(placements=[Replicate()])
+        >>> c.counts  # doctest: +SKIP
+        {'all_gather': (1, 4096)}
+    """
+
+    def __init__(self) -> None:
+        self.counts: Dict[str, Tuple[int, int]] = {}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        n, b = self.counts.get(kind, (0, 0))
+        self.counts[kind] = (n + 1, b + nbytes)
+
+    @property
+    def total(self) -> Tuple[int, int]:
+        """(collectives, bytes) over all kinds."""
+        return (sum(n for n, _ in self.counts.values()), sum(b for _, b in self.counts.values()))
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}: {n} ({b} B)" for k, (n, b) in sorted(self.counts.items()))
+        return f"CommCounter({body or 'none'})"
+
+
+@contextmanager
+def comm_counter() -> Iterator[CommCounter]:
+    """Count the collectives shardprop issues inside the ``with`` block.
+
+    Example:
+        >>> with comm_counter() as c:  # doctest: +SKIP
+        ...     loss = model(x).sum(); loss.backward()
+        >>> c.counts  # {kind: (count, bytes)}  # doctest: +SKIP
+        {'all_reduce': (3, 12288), 'all_gather': (2, 8192)}
+    """
+    global _counters
+    c = CommCounter()
+    _counters = _counters + (c,)
+    try:
+        yield c
+    finally:
+        _counters = tuple(x for x in _counters if x is not c)
+
+
+def _count(kind: str, t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    for c in _counters:
+        c.add(kind, nbytes)
 
 
 def resolve(mesh, dims: MeshDims):
@@ -75,6 +143,8 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     group, _, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
     out = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:])) if t.ndim else t.new_empty((n,))
+    if _counters:
+        _count("all_gather", t)
     work = _all_gather_flat(out, t, group=group, async_op=async_op)
     return _finish(out, work, async_op, finish, finish_shape)
 
@@ -92,6 +162,8 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
     group, _, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
     out = t.new_empty((t.shape[0] // n,) + tuple(t.shape[1:]))
+    if _counters:
+        _count("reduce_scatter", t)
     work = _reduce_scatter_flat(out, t, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return _finish(out, work, async_op, _then(_avg(n) if op == "avg" else None, finish), finish_shape)
 
@@ -106,6 +178,8 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     group, _, n = resolve(mesh, dims)
     t = wait_all(t)
     out = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+    if _counters:
+        _count("all_reduce", out)
     work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return _finish(out, work, async_op, _avg(n) if op == "avg" else None)
 
@@ -125,6 +199,8 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
     if out is None:
         rows = sum(output_split_sizes) if output_split_sizes is not None else t.shape[0]
         out = t.new_empty((rows,) + tuple(t.shape[1:]))
+    if _counters:
+        _count("all_to_all", t)
     work = dist.all_to_all_single(out, t, output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
                                   input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
                                   group=group, async_op=async_op)
@@ -139,6 +215,8 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     """
     group, ranks, _ = resolve(mesh, dims)
     t = wait_all(t)
+    if _counters:
+        _count("broadcast", t)
     work = dist.broadcast(t, src=ranks[src], group=group, async_op=async_op)
     return _finish(t, work, async_op)
 
@@ -152,6 +230,8 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
     """
     group, ranks, _ = resolve(mesh, dims)
     me = dist.get_rank()
+    if _counters:
+        _count("scatter", out)
     work = dist.scatter(out, [c.contiguous() for c in chunks] if me == ranks[src] else None,
                         src=ranks[src], group=group, async_op=async_op)
     return _finish(out, work, async_op)

@@ -22,6 +22,8 @@ from shardprop.placement import Partial, Replicate, Shard
 from shardprop.registry import register_local_call, rule
 from shardprop.spec import DTensorSpec
 
+from .args import inputs_by_name
+
 aten = torch.ops.aten
 R = Replicate()
 _FALSE = _marker("<False>")
@@ -31,29 +33,7 @@ LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
 ALL_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
 
 
-def _inputs(ctx, **by_name) -> tuple:
-    """One placement per DTensor input (``ctx.specs`` order), chosen by schema argument name.
-
-    Arguments not named are Replicate.
-
-    Example:
-        >>> _inputs(ctx, input=Shard(0))  # layer norm: (S(0), R, R) with weight and bias  # doctest: +SKIP
-    """
-    names = [a.name for a in ctx.op._schema.arguments]
-    out = []
-
-    def visit(name, value):
-        if type(value) is DTensorSpec:
-            out.append(by_name.get(name, R))
-        elif type(value) is tuple:
-            for v in value:
-                visit(name, v)
-
-    for name, value in zip(names, ctx.args):
-        visit(name, value)
-    for name, value in ctx.kwargs.items():
-        visit(name, value)
-    return tuple(out)
+_inputs = inputs_by_name
 
 
 def _arg(ctx, index: int, name: str, default=None):
@@ -222,3 +202,266 @@ def _renorm_own_rows(op, out, largs, lkwargs):
 
 register_local_call(aten.embedding.default, _masked_lookup)
 register_local_call(aten.embedding_renorm_.default, _renorm_own_rows)
+
+
+def replicate_options(ctx) -> list:
+    """The one option of an op that only runs on whole tensors: every input and output replicated."""
+    return [((R,) * len(ctx.specs), (R,) * len(ctx.out_metas))]
+
+
+# ------------------------------------------------------------------ group norm
+@rule(aten.native_group_norm)
+def group_norm(ctx):
+    """(out, mean, rstd): statistics per (sample, group), so a batch shard survives (mean and
+    rstd are (N, group)). ``N`` is passed by value: ``_local_batch`` gives the kernel the local one."""
+    return [(_inputs(ctx, input=Shard(0)), (Shard(0),) * 3), (_inputs(ctx), (R,) * 3)]
+
+
+@rule(aten.native_group_norm_backward)
+def group_norm_backward(ctx):
+    """Batch shard: grad_input S(0); grad_weight and grad_bias sum over the batch: P(sum)."""
+    batch = {n: Shard(0) for n in ("grad_out", "input", "mean", "rstd")}
+    return [(_inputs(ctx, **batch), (Shard(0), Partial("sum"), Partial("sum"))), (_inputs(ctx), (R,) * 3)]
+
+
+def _local_batch(n_index: int, input_index: int):
+    """A local call that replaces the batch-size argument at ``n_index`` by the local batch."""
+    def call(op, out, largs, lkwargs):
+        largs = list(largs)
+        largs[n_index] = largs[input_index].shape[0]
+        return op(*largs, **lkwargs)
+    return call
+
+
+register_local_call(aten.native_group_norm.default, _local_batch(3, 0))
+register_local_call(aten.native_group_norm_backward.default, _local_batch(5, 1))
+
+
+# ------------------------------------------------------------------ batch norm
+# op -> index of the training flag (True/False when the op fixes it). In training the
+# statistics are over every dim but the channel dim 1: only a channel shard survives.
+# In eval the running statistics are fixed: the op is pointwise per channel.
+BATCH_NORM = {
+    aten.native_batch_norm.default: 5,
+    aten._native_batch_norm_legit.default: 5,
+    aten._native_batch_norm_legit.no_stats: 3,
+    aten._native_batch_norm_legit_no_training.default: False,
+    aten._batch_norm_with_update.default: True,
+    aten._batch_norm_no_update.default: False,
+    aten.native_batch_norm_backward.default: 7,
+    aten.batch_norm_backward.default: 7,
+}
+# Per-channel tensors: (C,) when given (empty (0,) saves in eval stay replicated).
+PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd", "save_var", "reserve")
+
+
+def _named(ctx) -> dict:
+    """Schema argument name -> value for the call."""
+    names = [a.name for a in ctx.op._schema.arguments]
+    out = dict(zip(names, ctx.args))
+    out.update(ctx.kwargs)
+    return out
+
+
+def _training(ctx) -> bool:
+    from shardprop.dispatch import _TRUE
+    flag = BATCH_NORM[ctx.op]
+    if type(flag) is not bool:
+        flag = ctx.args[flag] is _TRUE
+    # Without running statistics even "eval" normalizes by the batch's own statistics.
+    return flag or _named(ctx).get("running_mean") is None
+
+
+@rule(*BATCH_NORM, per_dim=False)
+def batch_norm(ctx):
+    """Full-mesh options: the product of the per-mesh-dim options, where in training each mesh
+    dim keeps the running statistics' placement on that dim (they are updated in place)."""
+    import itertools
+    options = _batch_norm_per_dim(ctx)
+    per_dim = [options] * ctx.mesh.ndim
+    if _training(ctx) and "grad_out" not in _named(ctx):
+        per_dim = [_keep_running_stats(ctx, options, m) for m in range(ctx.mesh.ndim)]
+    full = []
+    for combo in itertools.product(*per_dim):
+        ins = tuple(tuple(o[0][i] for o in combo) for i in range(len(ctx.specs)))
+        outs = tuple(tuple(o[1][j] for o in combo) for j in range(len(combo[0][1])))
+        full.append((ins, outs))
+    return full
+
+
+def _batch_norm_per_dim(ctx):
+    """Channel shard (input S(1), per-channel tensors S(0)); in eval also any other dim of the input.
+
+    In training the kernel updates running_mean/running_var in place: they must not be
+    moved, so only options that keep their current (uniform) placement are offered.
+    """
+    named = _named(ctx)
+    backward = "grad_out" in named
+    x = named["input"]
+    C = x.shape[1] if x.ndim > 1 else None
+    n_out = len(ctx.out_metas)
+    training = _training(ctx)
+
+    def chan(m):
+        return Shard(0) if m is not None and tuple(m.shape) == (C,) else R
+
+    def saved(m):
+        # In eval the CPU kernel saves empty (0,) tensors (meta says (C,)): never shard them.
+        return chan(m) if training else R
+
+    options = []
+    if not training and C is not None:  # the option that keeps a batch/spatial shard first
+        for d in range(x.ndim):
+            if d == 1 or not _nonempty(ctx, x.shape[d]):  # an empty batch divides by zero (SIGFPE)
+                continue
+            by = {"input": Shard(d), "grad_out": Shard(d)}
+            if backward:
+                options.append((_inputs(ctx, **by), (Shard(d), Partial("sum"), Partial("sum"))))
+            else:
+                options.append((_inputs(ctx, **by), (Shard(d),) + (R,) * (n_out - 1)))
+    if C is not None and _nonempty(ctx, C):  # a rank with no channels would raise alone
+        by = {n: (saved if n.startswith(("save", "reserve")) else chan)(named[n])
+              for n in PER_CHANNEL if type(named.get(n)) is DTensorSpec}
+        by["input"] = Shard(1)
+        if backward:
+            by["grad_out"] = Shard(1)
+            outs = (Shard(1), chan(ctx.out_metas[1]), chan(ctx.out_metas[2]))
+        else:
+            outs = (Shard(1),) + tuple(saved(m) for m in ctx.out_metas[1:])
+        options.append((_inputs(ctx, **by), outs))
+    options.append((_inputs(ctx), (R,) * n_out))
+    return options
+
+
+def _nonempty(ctx, size: int) -> bool:
+    from .reduction import pieces_ok
+    return pieces_ok(size, tuple(ctx.mesh.shape), "nonempty")
+
+
+def _keep_running_stats(ctx, options, m: int):
+    """The options that leave the in-place running statistics as they are on mesh dim ``m``."""
+    names = [a.name for a in ctx.op._schema.arguments]
+    order = []  # the ctx.specs positions of running_mean / running_var
+
+    def visit(name, value):
+        if type(value) is DTensorSpec:
+            order.append(name)
+    for name, value in zip(names, ctx.args):
+        visit(name, value)
+    for name, value in ctx.kwargs.items():
+        visit(name, value)
+    stats = [i for i, n in enumerate(order) if n in ("running_mean", "running_var")]
+    if not stats:
+        return options
+    kept = [o for o in options if all(ctx.specs[i].placements[m] == o[0][i] for i in stats)]
+    if not kept:
+        from shardprop.propagate import ShardingError
+        raise ShardingError(f"{ctx.op}: training batch norm updates running_mean/running_var in place; "
+                            f"on mesh dim {m} they must be replicated, or sharded on dim 0 (channel shard) "
+                            "where the channels split into non-empty pieces")
+    return kept
+
+
+# ------------------------------------------------------------------ prelu, dropout backward
+@rule(aten._prelu_kernel)
+def prelu(ctx):
+    """x > 0 ? x : w * x with w broadcast (1, C, 1, ...): pointwise."""
+    from .pointwise import pointwise_options
+    return pointwise_options(ctx)
+
+
+@rule(aten._prelu_kernel_backward)
+def prelu_backward(ctx):
+    """(grad_input, grad_weight): pointwise, but grad_weight sums over the dims w broadcasts: P(sum)."""
+    from .pointwise import _aligned_dim
+    go, x, w = ctx.specs
+    out_shape = x.shape
+    options = []
+    for d in range(len(out_shape)):
+        ins = []
+        for s in ctx.specs:
+            i = _aligned_dim(s.shape, len(out_shape), d)
+            ins.append(R if i is None or s.shape[i] != out_shape[d] else Shard(i))
+        gw = ins[2] if type(ins[2]) is Shard else Partial("sum")
+        options.append((tuple(ins), (Shard(d), gw)))
+    options.append(((R,) * 3, (R, R)))
+    return options
+
+
+@rule(aten.native_dropout_backward)
+def dropout_backward(ctx):
+    """grad * mask * scale: pointwise, linear in grad."""
+    from .pointwise import pointwise_options
+    return pointwise_options(ctx, linear_first=True)
+
+
+# ------------------------------------------------------------------ attention
+def _attn_shape_ok(q, k, v) -> bool:
+    return q.ndim == k.ndim == v.ndim == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
+
+
+def _attn_dims(ctx, q, causal: bool):
+    """Dims of (B, H, L, E) that may be sharded: batch, heads, and the query sequence unless
+    causal (the mask is positional); each only where no rank gets an empty piece."""
+    from .reduction import pieces_ok
+    dims = (0, 1) if causal else (0, 1, 2)
+    return [d for d in dims if pieces_ok(q.shape[d], tuple(ctx.mesh.shape), "nonempty")]
+
+
+def _mask_placement(mask, dim: int, size: int):
+    """The placement of a broadcastable (…, L, S) mask when dim ``dim`` of (B, H, L, S) is sharded."""
+    i = dim - (4 - mask.ndim)
+    return Shard(i) if i >= 0 and mask.shape[i] == size else R
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu)
+def sdpa(ctx):
+    """(out, logsumexp) of q (B, H, L, E), k, v (B, H, S, *): batch or head shard of q, k, v alike;
+    without a causal mask also a shard of the query sequence (k and v whole)."""
+    from shardprop.dispatch import _TRUE
+    named = _named(ctx)
+    q, k, v, mask = named["query"], named["key"], named["value"], named.get("attn_mask")
+    options = []
+    if _attn_shape_ok(q, k, v):
+        for d in _attn_dims(ctx, q, named.get("is_causal") is _TRUE):
+            names = ("query", "key", "value") if d < 2 else ("query",)
+            by = {n: Shard(d) for n in names}
+            if type(mask) is DTensorSpec:
+                by["attn_mask"] = _mask_placement(mask, d, q.shape[d])
+            options.append((_inputs(ctx, **by), (Shard(d), Shard(d))))
+    options.append((_inputs(ctx), (R, R)))
+    return options
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def sdpa_backward(ctx):
+    """Batch/head shard: every tensor alike. Query-sequence shard: k and v gradients are P(sum)."""
+    from shardprop.dispatch import _TRUE
+    named = _named(ctx)
+    q, k, v, mask = named["query"], named["key"], named["value"], named.get("attn_mask")
+    options = []
+    if _attn_shape_ok(q, k, v):
+        for d in _attn_dims(ctx, q, named.get("is_causal") is _TRUE):
+            if d < 2:
+                by = {n: Shard(d) for n in ("grad_out", "query", "key", "value", "out", "logsumexp")}
+                outs = (Shard(d),) * 3
+            else:  # k and v gradients sum over query positions
+                by = {n: Shard(2) for n in ("grad_out", "query", "out", "logsumexp")}
+                outs = (Shard(2), Partial("sum"), Partial("sum"))
+            if type(mask) is DTensorSpec:
+                by["attn_mask"] = _mask_placement(mask, d, q.shape[d])
+            options.append((_inputs(ctx, **by), outs))
+    options.append((_inputs(ctx), (R,) * 3))
+    return options
+
+
+# ------------------------------------------------------------------ replicate-only
+REPLICATE_ONLY = [aten._embedding_bag_forward_only, aten._embedding_bag, aten._embedding_bag_backward,
+                  aten._embedding_bag_dense_backward, aten._embedding_bag_per_sample_weights_backward,
+                  aten._trilinear]
+
+
+@rule(*REPLICATE_ONLY)
+def replicate_only(ctx):
+    """Bags with offsets into a flat index list, bilinear's three-way product: whole tensors."""
+    return replicate_options(ctx)

@@ -9,7 +9,7 @@ import torch
 
 from shardprop.op_schema import FLOAT, ScalarTensor
 from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import rule
+from shardprop.registry import register_local_call, rule
 
 aten = torch.ops.aten
 
@@ -20,10 +20,17 @@ UNARY = [
     "neg", "positive", "rad2deg", "reciprocal", "relu", "round", "rsqrt", "sgn", "sigmoid", "sign", "signbit",
     "sin", "sinc", "sinh", "sqrt", "square", "tan", "tanh", "trunc", "gelu", "silu", "mish", "hardswish",
     "hardsigmoid", "hardtanh", "elu", "leaky_relu", "softplus", "celu", "selu", "threshold", "clamp", "clamp_min",
-    "clamp_max", "clip", "pow", "angle", "conj_physical", "fix", "logical_and", "logical_or", "logical_xor",
+    "clamp_max", "clip", "pow", "angle", "conj_physical", "_conj_physical", "_conj", "fix", "logical_and", "logical_or", "logical_xor",
     "mvlgamma", "polygamma", "special_entr", "special_erfcx", "special_i0e", "special_i1", "special_i1e",
     "special_ndtr", "special_ndtri", "special_log_ndtr", "softshrink", "hardshrink",
     "bitwise_left_shift", "bitwise_right_shift",
+    # special functions of one tensor
+    "special_airy_ai", "special_bessel_j0", "special_bessel_j1", "special_bessel_y0", "special_bessel_y1",
+    "special_modified_bessel_i0", "special_modified_bessel_i1", "special_modified_bessel_k0",
+    "special_modified_bessel_k1", "special_scaled_modified_bessel_k0", "special_scaled_modified_bessel_k1",
+    "special_spherical_bessel_j0",
+    # two outputs (mantissa, exponent), both elementwise
+    "frexp",
 ]
 BINARY = [
     "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "copysign", "div", "eq", "floor_divide", "fmax", "fmin",
@@ -32,10 +39,18 @@ BINARY = [
     "true_divide", "ldexp", "add", "sub", "rsub", "where", "addcmul", "addcdiv", "lerp", "masked_fill",
     "threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward",
     "hardswish_backward", "hardsigmoid_backward", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
-    "softplus_backward", "mish_backward", "log_sigmoid_backward", "softshrink_backward", "hardshrink_backward",
+    "softplus_backward", "logit_backward", "mish_backward", "log_sigmoid_backward", "softshrink_backward", "hardshrink_backward",
+    # orthogonal polynomials of (x, n), elementwise in both
+    "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u", "special_chebyshev_polynomial_v",
+    "special_chebyshev_polynomial_w", "special_shifted_chebyshev_polynomial_t",
+    "special_shifted_chebyshev_polynomial_u", "special_shifted_chebyshev_polynomial_v",
+    "special_shifted_chebyshev_polynomial_w", "special_hermite_polynomial_h", "special_hermite_polynomial_he",
+    "special_laguerre_polynomial_l", "special_legendre_polynomial_p",
+    # complex from (real, imag) or (abs, angle)
+    "complex", "polar",
 ]
 # Ops through which a sum-Partial passes unchanged (linear in every DTensor input).
-LINEAR_ALL = {"add", "sub", "neg", "positive"}
+LINEAR_ALL = {"add", "sub", "neg", "positive", "conj_physical", "_conj_physical", "_conj"}
 # Ops linear in their first input when every other DTensor input is replicated (x * r, x / r).
 LINEAR_FIRST = {"mul", "div", "true_divide"}
 
@@ -110,3 +125,12 @@ ELEMENTWISE_OVERLOADS = [aten.max.other, aten.min.other]
 def pointwise(ctx):
     name = _name(ctx.op)
     return pointwise_options(ctx, linear_all=name in LINEAR_ALL, linear_first=name in LINEAR_FIRST)
+
+
+def _conj_materialized(op, out, largs, lkwargs):
+    """``_conj`` returns a lazily conjugated view (a flag on the tensor); the DTensor wrapper
+    cannot carry that flag, so each shard is conjugated for real."""
+    return torch.conj_physical(largs[0])
+
+
+register_local_call(aten._conj.default, _conj_materialized)

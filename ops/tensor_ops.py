@@ -11,7 +11,8 @@ Three families, by how the output depends on the input:
   would mean ``k * v``; the functional forms give Replicate instead, and in-place ``fill_``
   (which cannot change its target's layout) refuses. ``zero_`` is fine on any Partial;
 * factories with a global size (new_zeros, new_empty, ...): every rank makes the whole
-  tensor, so the output is Replicate (correct; each rank pays the full memory).
+  tensor, so the output is Replicate (correct; each rank pays the full memory), except
+  when the size is the input's own shape: then the output takes the input's shards.
 
 Rules list one option per possible input placement so the one matching the input costs
 nothing; the engine picks it per mesh dim.
@@ -22,7 +23,7 @@ import torch
 
 from shardprop.placement import REDUCE_OPS, Partial, Replicate, Shard
 from shardprop.propagate import ShardingError
-from shardprop.registry import rule
+from shardprop.registry import register_local_call, rule
 from shardprop.spec import DTensorSpec
 
 aten = torch.ops.aten
@@ -143,5 +144,39 @@ def like(ctx):
 
 @rule(*NEW)
 def new(ctx):
-    """A new tensor of a given global size: made whole on every rank, so Replicate."""
-    return [((p,), (R,)) for p in _placements(ctx.specs[0].ndim)]
+    """A new tensor of a given global size: Replicate, made whole on every rank; but when the
+    size is ``self``'s own shape a shard of ``self`` gives the matching shard (autograd makes
+    gradient buffers this way, so a gradient keeps its parameter's layout)."""
+    me = ctx.specs[0]
+    same = tuple(ctx.args[1]) == tuple(me.shape)
+    return [((p,), (p if same and type(p) is Shard else R,)) for p in _placements(me.ndim)]
+
+
+def _local_strides(shape, stride) -> list:
+    """Contiguous strides for ``shape`` in the dim order that ``stride`` lays out (outermost first).
+
+    Example:
+        >>> _local_strides((2, 3), (1, 4))   # a transposed layout stays transposed
+        [1, 2]
+    """
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], -d))
+    out, step = [0] * len(shape), 1
+    for d in reversed(order):
+        out[d] = step
+        step *= max(shape[d], 1)
+    return out
+
+
+def _new_local(op, out, largs, lkwargs):
+    """Sharded output (size == self's shape): this rank's piece has self's local shape."""
+    if not any(type(p) is Shard for p in out.out_specs[0].placements):
+        return op(*largs, **lkwargs)
+    local = list(largs)
+    local[1] = list(largs[0].shape)
+    if op is aten.new_empty_strided.default:
+        local[2] = _local_strides(local[1], largs[2])
+    return op(*local, **lkwargs)
+
+
+for _packet in NEW:
+    register_local_call(_packet, _new_local)

@@ -11,11 +11,20 @@ from shardprop.registry import register_sharding, unregister_sharding
 from shardprop.stats import cache_stats, print_cache_stats
 from shardprop.explain import ImplicitRedistributionError, explain, explicit
 from shardprop.check import RuleReport, check_sharding_rule
+from shardprop.decompose import set_decompose_fallback
 import shardprop.ops  # noqa: F401,E402  (registers the built-in rules)
+from shardprop.parallelize import distribute_module, parallelize_module  # noqa: E402
+from shardprop.parallel_styles import ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel  # noqa: E402
+from shardprop.loss_parallel import loss_parallel  # noqa: E402
+from shardprop.mesh.collectives import CommCounter, comm_counter  # noqa: E402
+from shardprop.rng import manual_seed  # noqa: E402  (also registers the random-op handlers)
+from shardprop.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
 
 __all__ = [
+    "distribute_module", "parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+    "CommCounter", "comm_counter", "manual_seed", "GradientReducer", "compute_bucket_assignment_by_size", "replicate_gradients",
     "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "ShardingError",
     "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain", "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
-    "print_cache_stats", "register_sharding", "set_cache_size", "set_fallback_to_replicate",
+    "print_cache_stats", "register_sharding", "set_cache_size", "set_decompose_fallback", "set_fallback_to_replicate",
     "unregister_sharding",
 ]

@@ -1,10 +1,16 @@
-"""The demo: spawn CPU ranks, distribute a tensor, walk it through every placement.
+"""The demo: train a small Llama-style model with tensor + data parallelism, check it against one process.
 
-    python -m shardprop.demo [--nproc 4] [--mesh 4|2x2]
+    python -m shardprop.demo [--nproc 4] [--mesh 2x2|4|1x4] [--steps 20] [--dim 64] [--layers 2] [--seed 0]
+    torchrun --nproc-per-node 4 -m shardprop.demo
+    python -m shardprop.demo --tour        # the older tour: one tensor through every placement
 
-Also runs under ``torchrun --nproc-per-node 4 -m shardprop.demo``. Every step
-prints the plan (collectives and bytes) and checks the result against the
-original tensor.
+Spawns CPU ranks (gloo on 127.0.0.1) unless started by torchrun; with two or more
+GPUs it uses CUDA/NCCL. On a ``("dp", "tp")`` mesh the model is parallelized over
+``tp`` with :func:`shardprop.llama.tp_plan`, each dp rank trains on its rows of
+the same synthetic batch, and gradients are averaged over ``dp`` with bucketed
+all-reduces. Every step prints the loss and the collectives this rank issued;
+the end prints the cache statistics and compares every loss with a one-process run
+of the same model (PASS within 1e-4 relative).
 """
 from __future__ import annotations
 
@@ -12,9 +18,16 @@ import argparse
 import os
 import socket
 import sys
+import time
+from contextlib import nullcontext
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from shardprop.llama import Llama, LlamaConfig, lm_loss, make_optimizer, reference_losses, synthetic_batch, tp_plan
+
+RTOL = 1e-4
 
 
 def _free_port() -> int:
@@ -23,71 +36,220 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_mesh(spec: Optional[str], world: int):
+    """``"2x2"`` -> ((2, 2), ("dp", "tp")); ``"4"`` -> ((4,), ("tp",)); None -> 2x2 on 4 ranks, else 1-d tp."""
+    if spec is None:
+        spec = "2x2" if world == 4 else str(world)
+    shape = tuple(int(s) for s in spec.lower().split("x"))
+    if len(shape) not in (1, 2):
+        raise SystemExit(f"--mesh {spec}: want TP or DPxTP, e.g. 4 or 2x2")
+    n = 1
+    for s in shape:
+        n *= s
+    if n != world:
+        raise SystemExit(f"--mesh {spec} has {n} ranks but there are {world}")
+    return shape, (("tp",) if len(shape) == 1 else ("dp", "tp"))
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _fmt_counts(counts) -> str:
+    if not counts:
+        return "no collectives"
+    return ", ".join(f"{k} {n}x ({_fmt_bytes(b)})" for k, (n, b) in sorted(counts.items()))
+
+
+def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False):
+    """The model parallelized over ``mesh["tp"]`` (or a 1-d tp mesh), from the seeded single-process init."""
+    from shardprop.parallelize import parallelize_module
+    tp = mesh["tp"] if mesh.ndim == 2 else mesh
+    model = Llama(cfg, seed).to(mesh.device_type)
+    return parallelize_module(model, tp, tp_plan(loss_parallel=loss_parallel))
+
+
+def train(args, mesh, say=print):
+    """Train on this rank; returns (losses averaged over dp, per-step collective counts, seconds per step)."""
+    from shardprop import comm_counter, loss_parallel
+    from shardprop.data_parallel import replicate_gradients
+    from shardprop.mesh.collectives import all_reduce
+    cfg = config_from(args)
+    device = mesh.device_type
+    dp = mesh["dp"] if mesh.ndim == 2 else None
+    if dp is not None and args.batch % dp.size():
+        # Equal slices make the mean of the dp ranks' losses the global batch's loss.
+        raise SystemExit(f"--batch {args.batch} does not split evenly over dp={dp.size()}")
+    model = build(cfg, mesh, args.seed, args.loss_parallel)
+    opt = make_optimizer(args.optimizer, model.parameters())
+    # Averages gradients over dp in bucketed async all-reduces launched from autograd hooks.
+    sync = replicate_gradients(model, mesh, "dp") if dp is not None else None
+    rows = sync.split_batch if sync is not None else (lambda t: t)
+    losses, counts, times = [], [], []
+    for step in range(args.steps):
+        tokens, targets = (rows(t).to(device) for t in synthetic_batch(cfg, args.batch, step, args.seed))
+        t0 = time.perf_counter()
+        with comm_counter() as c:
+            # loss_parallel: cross-entropy on the vocab-sharded logits, never gathered.
+            with (loss_parallel() if args.loss_parallel else nullcontext()):
+                loss = lm_loss(model(tokens), targets)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            if sync is not None:
+                sync.finish()  # waits for the buckets' all-reduces; gradients are now dp averages
+            opt.step()
+        times.append(time.perf_counter() - t0)
+        counts.append(dict(c.counts))
+        value = loss.detach()
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if dp is not None:  # the global batch's loss: the mean of the dp ranks' equal-size slices
+            value = all_reduce(value.reshape(1).clone(), dp, 0, "avg")
+        losses.append(value.item())
+        say(f"step {step + 1:3d}/{args.steps}  loss {losses[-1]:.5f}  {times[-1] * 1e3:7.1f} ms  "
+            f"collectives: {_fmt_counts(counts[-1])}")
+    return losses, counts, times
+
+
+def config_from(args) -> LlamaConfig:
+    return LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab,
+                       seq_len=args.seq)
+
+
+def compare(ours: List[float], ref: List[float], say=print) -> float:
+    """Print the losses side by side; return the largest relative difference."""
+    say(f"\n{'step':>4}  {'one process':>12}  {'ours':>12}  {'rel diff':>9}")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        rel = abs(a - b) / max(abs(b), 1e-12)
+        worst = max(worst, rel)
+        say(f"{i + 1:4d}  {b:12.6f}  {a:12.6f}  {rel:9.2e}")
+    return worst
+
+
+def rank_main(args) -> dict:
+    """Everything one rank does (the default process group may already exist). Returns a summary."""
+    import shardprop
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    shape, names = parse_mesh(args.mesh, world)
+    device = _device_type()
+    mesh = shardprop.init_device_mesh(device, shape, mesh_dim_names=names)
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    cfg = config_from(args)
+    say(f"shardprop demo: {world} ranks on {device}, mesh {dict(zip(names, shape))}; model dim {cfg.dim}, "
+        f"{cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq {cfg.seq_len}, "
+        f"batch {args.batch}, {args.optimizer}{', loss_parallel' if args.loss_parallel else ''}")
+    shardprop.clear_cache()
+    t0 = time.perf_counter()
+    losses, counts, times = train(args, mesh, say)
+    elapsed = time.perf_counter() - t0
+    say(f"\n{args.steps} steps in {elapsed:.1f} s (median {1e3 * sorted(times)[len(times) // 2]:.1f} ms/step)")
+    say("\ncache statistics (rank 0):")
+    if rank == 0:
+        shardprop.print_cache_stats()
+    summary = dict(losses=losses, counts=counts, ok=None, max_rel=None)
+    if rank == 0:
+        ref = reference_losses(cfg, args.steps, args.batch, args.seed, args.optimizer, device=device)
+        worst = compare(losses, ref, say)
+        ok = worst <= RTOL
+        say(f"\nmax relative difference {worst:.2e} (tolerance {RTOL:g}): {'PASS' if ok else 'FAIL'}")
+        summary.update(reference=ref, ok=ok, max_rel=worst)
+    dist.barrier()
+    return summary
+
+
 def tour(mesh_shape) -> None:
     """Distribute a tensor and redistribute it through every placement; print plans and checks."""
     import shardprop
     from shardprop import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", mesh_shape)
-    rank = dist.get_rank()
+    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)
     full = torch.randn(10, 6)  # 10 rows: uneven over 4 ranks, on purpose
-    say = print if rank == 0 else (lambda *a, **k: None)
     say(f"mesh {mesh}; global tensor {tuple(full.shape)}")
     options = [Shard(0), Shard(1), Replicate(), Partial("sum"), Partial("max")]
-    placements = [[p] for p in options] if mesh.ndim == 1 else \
-        [[a, b] for a in options[:4] for b in options[:4]]
+    placements = [[p] for p in options] if mesh.ndim == 1 else [[a, b] for a in options[:4] for b in options[:4]]
     x = distribute_tensor(full, mesh, placements[0])
     ok_all = True
     for target in placements[1:] + placements[:1]:
         plan = shardprop.plan_redistribute(x._spec, tuple(target))
         y = x.redistribute(placements=target)
-        back = y.full_tensor()
-        ok = torch.allclose(back, full)
+        ok = torch.allclose(y.full_tensor(), full)
         ok_all &= ok
         steps = ", ".join(f"{s.kind}@{list(s.mesh_dims)} ({s.bytes} B)" for s in plan.steps) or "no-op"
         say(f"  {list(x.placements)!s:>10} -> {list(y.placements)!s:<10} local {tuple(y.to_local().shape)!s:<8} "
             f"{'ok ' if ok else 'BAD'} via {steps}")
         x = y
-    a = distribute_tensor(full, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))
-    b = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim)
-    with shardprop.explain() as ex:
-        c = (a * 2.0 + b).relu()
-    say("\nop calls on DTensors, with the strategy chosen:")
-    say(ex)
-    ok_all &= torch.allclose(c.full_tensor(), (full * 2.0 + full).relu())
-    say("\ncache statistics:")
-    if rank == 0:
-        shardprop.print_cache_stats()
     say(f"\nall checks {'passed' if ok_all else 'FAILED'}")
     if not ok_all:
         raise SystemExit(1)
 
 
-def _worker(rank: int, world: int, port: int, mesh_shape) -> None:
+def _run(args) -> None:
+    from shardprop.mesh.groups import ensure_default_group
+    ensure_default_group("cpu" if args.tour else _device_type())
+    if args.tour:
+        shape = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else (dist.get_world_size(),)
+        tour(shape)
+        return
+    summary = rank_main(args)
+    if summary["ok"] is False:
+        raise SystemExit(1)
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        tour(mesh_shape)
+        _run(args)
     finally:
         dist.destroy_process_group()
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default 4; GPUs: min(4, count))")
+    p.add_argument("--mesh", default=None, help="DPxTP or TP, e.g. 2x2, 1x4, 4 (default 2x2 on 4 ranks)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8, help="global batch (split over dp)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--loss-parallel", action="store_true", help="vocab-sharded logits with shardprop.loss_parallel")
+    p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
+    return p
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--mesh", default=None, help="mesh shape, e.g. 4 or 2x2 (default: 1-d over all ranks)")
-    args = p.parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        world = int(os.environ["WORLD_SIZE"])
-        shape = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else (world,)
+    args = parser().parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun, or inside a pool of ranks
         torch.set_num_threads(1)
-        tour(shape)
-        dist.destroy_process_group()
+        own_group = not dist.is_initialized()
+        try:
+            _run(args)
+        finally:
+            if own_group and dist.is_initialized():
+                dist.destroy_process_group()
         return
-    shape = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else (args.nproc,)
+    nproc = args.nproc
+    if nproc is None:
+        nproc = min(4, torch.cuda.device_count()) if _device_type() == "cuda" else 4
+    if not args.tour:
+        parse_mesh(args.mesh, nproc)  # a bad --mesh fails here, not in every spawned rank
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(args.nproc, _free_port(), shape), nprocs=args.nproc)
+    mp.spawn(_worker, args=(nproc, _free_port(), args), nprocs=nproc)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ No tree_map, no schema comparison, no per-call allocation that a cache avoids.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from shardprop import dtensor as _dt
@@ -68,9 +70,13 @@ def wrap(local: torch.Tensor, spec) -> "DTensor":
     return r
 
 
+class PlainTensorError(_prop.ShardingError):
+    """A plain (non-0-dim) torch.Tensor mixed with DTensors; ``run`` retries integer/bool/all-zero ones as Replicate."""
+
+
 def _plain_tensor_error(a) -> Exception:
     # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
-    return _prop.ShardingError(
+    return PlainTensorError(
         f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)}; only 0-dim "
         "tensors and Python scalars are treated as replicated. Make it a DTensor first with "
         "shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements).")
@@ -153,21 +159,27 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         >>> run(aten.embedding.default, (w, idx), {}, compute=masked_lookup)  # doctest: +SKIP
     """
     largs, key = [], []
-    _flatten(args, largs, key)
-    if kwargs:
-        vals, kkey = [], []
-        _flatten(kwargs.values(), vals, kkey)
-        lkwargs = dict(zip(kwargs.keys(), vals))
-        kkey = tuple(zip(kwargs.keys(), kkey))
-    else:
-        lkwargs = {}
-        kkey = ()
+    try:  # free when nothing raises (Python 3.11 zero-cost exceptions): the hot path is unchanged
+        _flatten(args, largs, key)
+        if kwargs:
+            vals, kkey = [], []
+            _flatten(kwargs.values(), vals, kkey)
+            lkwargs = dict(zip(kwargs.keys(), vals))
+            kkey = tuple(zip(kwargs.keys(), kkey))
+        else:
+            lkwargs = {}
+            kkey = ()
+    except PlainTensorError:
+        args, kwargs = _replicate_plain_indices(args, kwargs)  # raises again for non-zero floating ones
+        return run(op, args, kwargs, compute, rec)
     if rec is None:
         rec = _OPS.get(op) or _op_record(op)
     schema = OpSchema(op, tuple(key), kkey, rec[1])
     out = _propagate(schema)
     if out.needs_redistribute:
         largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
+        if op.is_view and op not in _MAY_COPY:
+            return _copied_view(op, args, out, schema, compute or out.local_call, rec, largs, lkwargs)
     if recorder is not None:
         recorder.record(schema, out)
     if compute is None:
@@ -182,6 +194,9 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         r._spec = spec
         return r
     if returns == "self":
+        base = getattr(args[0], "_view_base", None)  # a list for the _foreach_*_ ops
+        if base is not None and base() is not None:
+            raise _write_into_copy_error(op, args[0])
         return args[0] if res is not None else None
     if returns == "tuple" or returns == "list":
         wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
@@ -192,6 +207,94 @@ def run(op, args, kwargs=None, compute=None, rec=None):
 
 
 # ---------------------------------------------------------------- slow path
+# View ops whose result torch itself documents as "a view or a copy": writing into it is
+# not expected to reach the base, so it needs no guard.
+_MAY_COPY = {torch.ops.aten.reshape.default, torch.ops.aten.reshape_as.default}
+
+
+def _copied_view(op, args, out, schema, compute, rec, largs, lkwargs):
+    """Run a view op whose input had to move first: its result is a copy, not a view.
+
+    torch would let ``x[:, 0] = 7`` write through the view into ``x``; a copy cannot, so
+    each output remembers its base (weakly) and an in-place op on it raises while the base
+    is alive, instead of silently leaving the base unchanged. Once the base is gone (e.g.
+    an intermediate gradient that autograd later accumulates into) nothing can tell.
+    """
+    if recorder is not None:
+        recorder.record(schema, out)
+    res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
+    single = out.returns == "tensor"
+    wrapped = [r if s is None else wrap(r, s) for r, s in zip([res] if single else res, out.out_specs)]
+    base = weakref.ref(args[0]) if isinstance(args[0], DTensor) else None
+    for w in wrapped:
+        if isinstance(w, DTensor):
+            w._view_base = base
+            w._view_op = op
+    if single:
+        return wrapped[0]
+    return tuple(wrapped) if out.returns == "tuple" else wrapped
+
+
+def _write_into_copy_error(op, target) -> Exception:
+    base = target._view_base()
+    return _prop.ShardingError(
+        f"shardprop: {op} writes in place into the result of {target._view_op}, which is a copy, not a view: "
+        f"its input {list(base.placements)} {tuple(base.shape)} had to be redistributed first, so the write "
+        "would not reach the base tensor as it does in torch. Redistribute the base so the view keeps its "
+        "shards (e.g. x = x.redistribute(placements=[Replicate()])) before writing through the view, or "
+        ".clone() the view if the base need not change.")
+
+
+def _replicate_plain_indices(args, kwargs):
+    """``args``/``kwargs`` with integer and bool plain tensors wrapped as Replicate DTensors.
+
+    torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
+    ``aten.index(x, [tensor([1, 2])])``), so they hold the same values on every rank.
+    All-zero floating tensors are the same on every rank too: torch's backward formulas
+    build them (``at::zeros``) and mix them with the gradients. Other floating plain
+    tensors are usually data (a rank-local shard, a random tensor), so they still raise:
+    guessing them replicated could silently give a wrong result.
+
+    Example:
+        >>> _replicate_plain_indices((x, [torch.tensor([1, 2])]), None)  # x a DTensor  # doctest: +SKIP
+        ((x, [DTensor(... placements=[R])]), None)
+    """
+    from shardprop.dtensor import make_spec
+    from shardprop.placement import Replicate
+    mesh = _first_mesh((args, kwargs))
+
+    def conv(a):
+        t = type(a)
+        if t is list or t is tuple:
+            return t(conv(x) for x in a)
+        if t is dict:
+            return {k: conv(v) for k, v in a.items()}
+        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
+            if mesh is None or ((a.is_floating_point() or a.is_complex()) and bool(a.any())):
+                raise _plain_tensor_error(a)
+            spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
+            return DTensor(a, spec)
+        return a
+
+    return conv(args), conv(kwargs) if kwargs else kwargs
+
+
+def _first_mesh(a):
+    if isinstance(a, DTensor):
+        return a._spec.mesh
+    if type(a) in (list, tuple):
+        items = a
+    elif type(a) is dict:
+        items = a.values()
+    else:
+        return None
+    for x in items:
+        m = _first_mesh(x)
+        if m is not None:
+            return m
+    return None
+
+
 def _redistribute_inputs(op, args, kwargs, out, schema):
     """Rebuild the local arguments with each input moved to the layout the strategy needs."""
     if explicit_mode is not None:

@@ -34,6 +34,9 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
+    # Set (a weakref to the base) on results of view ops that had to copy: see dispatch._copied_view.
+    _view_base = None
+    _view_op = None
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod

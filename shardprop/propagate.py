@@ -257,7 +257,8 @@ def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
             raise ShardingError(
                 f"{op} has no sharding rule (inputs: {_describe(schema)}). Register one with "
                 f"@shardprop.register_sharding({op}), or set SHARDPROP_FALLBACK_REPLICATE=1 "
-                "(shardprop.set_fallback_to_replicate(True)) to run it on replicated inputs.")
+                "(shardprop.set_fallback_to_replicate(True)) to run it on replicated inputs"
+                + _decompose_hint(op) + ".")
         warnings.warn(f"shardprop: {op} has no sharding rule; replicating its inputs ({_describe(schema)})")
         options = [(tuple(Replicate() for _ in ctx.specs), tuple(Replicate() for _ in ctx.out_metas))]
         per_dim = True
@@ -293,6 +294,17 @@ def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
                             f"to {list(out_specs[0].placements)}")
     return OutputSharding(tuple(out_specs), in_specs, plans, any(p is not None for p in plans), returns,
                           candidates, registry.LOCAL_CALLS.get(op))
+
+
+def _decompose_hint(op) -> str:
+    """The decomposition opt-in in the no-rule error: suggested where torch has a decomposition."""
+    from shardprop import decompose  # lazy: decompose imports the dispatcher, which imports this module
+    if decompose.decomposition(op) is None:
+        return " (torch has no decomposition of it, so the SHARDPROP_DECOMPOSE=1 opt-in cannot serve it)"
+    if decompose.is_decomposed(op):  # its decomposition runs, yet we are here: it called the op again
+        return f" (torch's decomposition of it calls {op} again, so it cannot serve)"
+    return (", or set SHARDPROP_DECOMPOSE=1 (shardprop.set_decompose_fallback(True)) to run torch's "
+            "decomposition of it through the dispatcher")
 
 
 def _normalize_out(placements, ndim: int, where: str) -> tuple:

@@ -142,6 +142,19 @@ def test_user_rule_overrides_builtin_relu_and_mm_and_is_removable():
     assert after == before, "unregistering must bring the built-in rule back"
 
 
+def _ruleless_op():
+    """A custom op no rule will ever cover (built-in aten ops keep gaining rules)."""
+    if not hasattr(torch.ops, "sptest") or not hasattr(torch.ops.sptest, "cummax_values"):
+        @torch.library.custom_op("sptest::cummax_values", mutates_args=())
+        def cummax_values(x: torch.Tensor, dim: int) -> torch.Tensor:
+            return torch.cummax(x, dim)[0]
+
+        @cummax_values.register_fake
+        def _(x, dim):
+            return torch.empty_like(x)
+    return torch.ops.sptest.cummax_values.default
+
+
 def _custom_op():
     import shardprop
     from shardprop import Replicate, Shard, distribute_tensor
@@ -235,8 +248,9 @@ def _errors():
     except shardprop.ShardingError as e:
         msgs["plain"] = str(e)
     scalar_ok = torch.allclose((x + torch.tensor(2.0)).full_tensor(), x.full_tensor() + 2)
+    op = _ruleless_op()
     try:
-        torch.ops.aten.cummax.default(x, 0)
+        op(x, 0)
     except Exception as e:
         msgs["no_rule"] = str(e)
     shardprop.set_fallback_to_replicate(True)
@@ -244,7 +258,7 @@ def _errors():
         import warnings
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
-            vals, _ = torch.ops.aten.cummax.default(x, 0)
+            vals = op(x, 0)
         fallback_ok = torch.allclose(vals.full_tensor(), torch.cummax(x.full_tensor(), 0)[0])
     finally:
         shardprop.set_fallback_to_replicate(False)
@@ -261,7 +275,7 @@ def test_clear_errors():
     msgs, scalar_ok, fallback_ok, inplace_returns_self = run_on_ranks(4, _errors)[0]
     assert "distribute_tensor" in msgs["plain"] and "from_local" in msgs["plain"]
     assert scalar_ok
-    assert "aten.cummax.default" in msgs["no_rule"] and "register_sharding" in msgs["no_rule"]
+    assert "sptest.cummax_values.default" in msgs["no_rule"] and "register_sharding" in msgs["no_rule"]
     assert "S(0)" in msgs["no_rule"]
     assert fallback_ok
     assert "aten.add_.Tensor" in msgs["inplace"] and "P(sum)" in msgs["inplace"]
@@ -283,3 +297,33 @@ def test_cache_stats_printed_at_exit_on_rank0(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "aten.add.Tensor" in out.stdout and "aten.relu.default" in out.stdout and "TOTAL" in out.stdout
+
+
+def _writes_through_views():
+    import shardprop
+    from shardprop import Shard, distribute_tensor
+    mesh = _mesh()
+    full = torch.arange(64.0).reshape(4, 4, 4)
+    x = distribute_tensor(full, mesh, [Shard(2)])
+    x[:, 1, :] = 7.0  # select on an unsharded dim: a real view, the write reaches x
+    expect = full.clone()
+    expect[:, 1, :] = 7.0
+    through = torch.equal(x.full_tensor(), expect)
+    try:
+        x[:, :, 0] = 7.0  # select on the sharded dim: the view is a gathered copy
+        err = None
+    except shardprop.ShardingError as e:
+        err = str(e)
+    # Once the base is gone, the copy is just a tensor (autograd accumulating into a gradient).
+    w = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)]).requires_grad_()
+    for _ in range(2):
+        w.view(15).sum().backward()  # uneven S(0) of (5, 3) -> (15,): the view's grad is a copy
+    accumulated = torch.equal(w.grad.full_tensor(), torch.full((5, 3), 2.0))
+    return through, err, accumulated
+
+
+def test_in_place_write_into_a_copied_view_raises():
+    through, err, accumulated = run_on_ranks(4, _writes_through_views)[0]
+    assert through, "a write through a real view must reach the base"
+    assert err is not None and "copy, not a view" in err and "aten.select.int" in err, err
+    assert accumulated

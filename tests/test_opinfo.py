@@ -5,6 +5,9 @@ name with several OpInfos checks them all) -> the mesh variants expected to pass
 (op, variant) is checked; the ones not listed as expected are still held to "no wrong
 results". A few batched pool runs per variant keep this file to a few minutes.
 """
+import datetime
+import json
+import os
 import random
 
 import pytest
@@ -127,3 +130,30 @@ def test_harness_reports_nondeterministic_samples():
     res = run_on_ranks(4, _check_with_rank_seed, "mul", "1d")
     assert [r["outcome"] for r in res] == [SKIP] * 4, res[0]
     assert "nondeterministic samples" in res[0]["detail"], res[0]
+
+
+# ---------------------------------------------------------------- regression over the sweep's list
+# tests/passing_ops.json holds every op the full sweep (bench/op_sweep.py --write-passing) saw
+# pass. All of them do not fit the CI budget, so each run checks a sample that rotates daily;
+# SHARDPROP_OPINFO_SEED=<n> replays a given day's sample, SHARDPROP_OPINFO_SAMPLE=<k> resizes it.
+PASSING_PATH = os.path.join(os.path.dirname(__file__), "passing_ops.json")
+SAMPLE_SIZE = int(os.environ.get("SHARDPROP_OPINFO_SAMPLE", "30"))
+SAMPLE_SEED = int(os.environ.get("SHARDPROP_OPINFO_SEED", datetime.date.today().toordinal()))
+
+
+def passing_sample(variant: str) -> list:
+    """The ops of passing_ops.json checked for ``variant`` in this run (not already in OPS)."""
+    with open(PASSING_PATH) as f:
+        listed = sorted(set(json.load(f).get(variant, [])) - set(OPS))
+    rng = random.Random(f"{SAMPLE_SEED}-{variant}")
+    return sorted(rng.sample(listed, min(SAMPLE_SIZE, len(listed))))
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_passing_ops_do_not_regress(variant):
+    ops = passing_sample(variant)
+    assert ops, f"tests/passing_ops.json lists no ops for {variant}"
+    results = run_checks(get_pool(4), ops, variant, chunk=15, **CHECK_ARGS)
+    broken = [_describe(r) for r in results.values() if r["outcome"] not in (PASS, SKIP)]
+    assert not broken, (f"{len(broken)} of {len(ops)} sampled passing ops regressed "
+                        f"(replay with SHARDPROP_OPINFO_SEED={SAMPLE_SEED}):\n" + "\n".join(broken))

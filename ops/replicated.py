@@ -1,0 +1,179 @@
+"""Ops that run only on whole tensors: every input is replicated, every output is replicated.
+
+This is always correct for an op that gives the same result on every rank from the same
+inputs (no randomness, no rank-dependent state), and better than an error: the price is
+gathering the inputs. Each group below says why no shard survives.
+
+Two paths:
+
+* ``REPLICATED``: ops whose output shapes meta tensors can tell; a rule with the single
+  all-Replicate option (the engine gathers the inputs first).
+* ``RUN_WHOLE``: ops whose output shape depends on the values (nonzero, unique, ...) or
+  that have no meta kernel; a special handler gathers the inputs, runs the op and wraps
+  each tensor output as a replicated DTensor of whatever shape it came out.
+
+``as_strided`` and friends read the input's storage: they are right on a replicated
+copy only when the global tensor is dense (no gaps between its elements, which a copy
+would fill with garbage) and the view stays inside it; the rule offers nothing otherwise.
+
+Example:
+    >>> x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])  # doctest: +SKIP
+    >>> torch.linalg.inv(x).placements   # gathered, inverted on every rank  # doctest: +SKIP
+    (Replicate(),)
+"""
+from __future__ import annotations
+
+import torch
+
+from shardprop.dispatch import register_special, wrap
+from shardprop.dtensor import DTensor
+from shardprop.placement import Replicate
+from shardprop.propagate import ShardingError
+from shardprop.redistribute import redistribute_local
+from shardprop.registry import register_local_call, rule
+from shardprop.spec import DTensorSpec, TensorMeta
+
+from .along_dim import arg
+
+aten = torch.ops.aten
+R = Replicate()
+
+# (packet names, overloads or None for all) per group
+REPLICATED = [
+    # factorizations, solves, inverses and determinants couple every row with every column
+    (["_linalg_svd", "linalg_qr", "_linalg_eigh", "linalg_eig", "linalg_inv_ex", "_linalg_solve_ex", "cholesky",
+      "cholesky_inverse", "cholesky_solve", "linalg_cholesky_ex", "linalg_lu", "linalg_lu_factor_ex",
+      "linalg_lu_solve", "lu_unpack", "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_det", "_linalg_slogdet",
+      "linalg_householder_product", "triangular_solve", "linalg_solve_triangular", "linalg_matrix_exp", "ormqr",
+      "linalg_cross", "_linalg_eigvals"], None),
+    # raises on every rank alike when the (replicated) LAPACK info says so; returns nothing
+    (["_linalg_check_errors"], None),
+    (["linalg_pinv"], ("atol_rtol_tensor", "atol_rtol_float", "default", "rcond_tensor")),
+    # Fourier transforms mix every element of the transformed dims
+    (["_fft_r2c", "_fft_c2r", "_fft_c2c"], None),
+    # counts, bins and lookups against a whole table
+    (["nonzero_static", "histc", "bucketize", "searchsorted", "isin", "segment_reduce", "_segment_reduce_backward"],
+     None),
+    # pairwise distances and full reductions with no Partial to combine them
+    (["_cdist_forward", "_cdist_backward", "_pdist_forward", "_pdist_backward", "_euclidean_dist", "dist",
+      "hash_tensor"], None),
+    (["median", "nanmedian"], ("default",)),
+    # factories whose endpoints are 0-d tensors
+    (["linspace", "logspace"], ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor")),
+    # ops over lists of tensors of different shapes
+    (["_chunk_cat", "block_diag"], None),
+]
+
+# Output shape depends on the values, or no meta kernel: run on the gathered inputs.
+RUN_WHOLE = [
+    (["nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim", "unique_dim_consecutive",
+      "_histogramdd_from_bin_tensors", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "geqrf",
+      "linalg_lstsq", "allclose", "bincount", "_unique"], ("default",)),
+    (["repeat_interleave"], ("Tensor",)),
+    (["histogram"], ("bins_tensor", "bin_ct")),
+]
+
+# Read raw storage: replicated and dense only (see the module docstring).
+STRIDED = [aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default]
+
+
+def _ops(groups) -> list:
+    out = []
+    for names, overloads in groups:
+        for n in names:
+            packet = getattr(aten, n)
+            out += [getattr(packet, o) for o in (overloads if overloads is not None else packet.overloads())]
+    return out
+
+
+def replicate_option(ctx) -> tuple:
+    """The one option: every DTensor input and every tensor output Replicate."""
+    return ((R,) * len(ctx.specs), tuple(None if m is None else R for m in ctx.out_metas))
+
+
+@rule(*_ops(REPLICATED))
+def replicated(ctx):
+    return [replicate_option(ctx)]
+
+
+# ------------------------------------------------------------------ raw storage
+def _dense(shape, stride) -> bool:
+    """Whether the strides lay the elements out with no gaps and no overlap (any dim order)."""
+    expect = 1
+    for size, st in sorted((d for d in zip(shape, stride) if d[0] != 1), key=lambda d: d[1]):
+        if st != expect:
+            return False
+        expect *= size
+    return True
+
+
+@rule(*STRIDED)
+def strided(ctx):
+    x = ctx.specs[0]
+    size, stride = arg(ctx, "size"), arg(ctx, "stride")
+    offset = arg(ctx, "storage_offset", None)
+    if offset is not None or not _dense(x.shape, x.tensor_meta.stride):
+        return []  # an explicit offset is relative to a storage the global tensor does not describe
+    numel = x.tensor_meta.shape.numel()
+    if any(n == 0 for n in size):
+        return [replicate_option(ctx)]
+    last = sum((n - 1) * s for n, s in zip(size, stride))
+    return [replicate_option(ctx)] if 0 <= last < numel and min(stride, default=0) >= 0 else []
+
+
+def _with_global_strides(op, out, largs, lkwargs):
+    """Run on a copy of the input laid out with the global tensor's strides (storage order matters)."""
+    m = out.in_specs[0].tensor_meta
+    x = largs[0]
+    if tuple(x.stride()) != tuple(m.stride):
+        x = torch.empty_strided(m.shape, m.stride, dtype=x.dtype, device=x.device).copy_(x)
+    return op(x, *largs[1:], **lkwargs)
+
+
+for _op in STRIDED:
+    register_local_call(_op, _with_global_strides)
+
+
+# ------------------------------------------------------------------ run whole
+def _gathered(args, mesh_box):
+    """args with every DTensor replaced by its full value (same structure, lists stay lists)."""
+    t = type(args)
+    if isinstance(args, DTensor):
+        spec = args._spec
+        if mesh_box and mesh_box[0] != spec.mesh:
+            raise ShardingError("shardprop: DTensor arguments on different meshes")
+        mesh_box[:] = [spec.mesh]
+        if spec.is_replicated:
+            return args._local_tensor
+        return redistribute_local(args._local_tensor, spec, (R,) * spec.mesh.ndim)
+    if t is list or t is tuple:
+        return t(_gathered(a, mesh_box) for a in args)
+    if isinstance(args, torch.Tensor) and args.dim() > 0:
+        raise ShardingError(f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(args.shape)}; "
+                            "make it a DTensor first")
+    return args
+
+
+def _wrap_replicated(res, mesh):
+    if isinstance(res, torch.Tensor):
+        spec = DTensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(res.shape, res.stride(), res.dtype))
+        return wrap(res, spec)
+    if isinstance(res, (tuple, list)):
+        return type(res)(_wrap_replicated(r, mesh) for r in res)
+    return res
+
+
+def run_whole(op, args, kwargs):
+    """Gather every DTensor argument, run ``op`` on every rank, wrap tensor outputs as Replicate.
+
+    Example:
+        >>> run_whole(aten.nonzero.default, (x,), {})  # x a sharded DTensor  # doctest: +SKIP
+    """
+    mesh_box = []
+    largs = _gathered(tuple(args), mesh_box)
+    lkwargs = {k: _gathered(v, mesh_box) for k, v in (kwargs or {}).items()}
+    return _wrap_replicated(op(*largs, **lkwargs), mesh_box[0])
+
+
+for _op in _ops(RUN_WHOLE):
+    register_special(_op, run_whole)

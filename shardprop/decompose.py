@@ -1,0 +1,189 @@
+"""Ops without a sharding rule, run as torch's decomposition of them through the dispatcher.
+
+torch ships Python decompositions (``torch._decomp.decomposition_table``) and
+CompositeImplicitAutograd kernels (``op.decompose``) that express an op with
+simpler aten ops. Running one on DTensor arguments sends each sub-op back through
+``shardprop.dispatch``, so an op with no rule works whenever its pieces have rules,
+and every piece is placed by its own rule (no blanket replication).
+
+Two ways in:
+
+* a curated table (``DEFAULT_OPS``) of ops whose decomposition the OpInfo sweep found
+  right on every variant: always on;
+* ``shardprop.set_decompose_fallback(True)`` (or env ``SHARDPROP_DECOMPOSE=1``): every op
+  that torch can decompose and that has no rule.
+
+Both install a special handler per op (``dispatch.register_special``), so ops that have a
+rule never pay anything. The handler re-checks for a rule on every call: a rule
+registered later (built-in or ``register_sharding``) always wins. A decomposition
+that calls its own op again (directly or through a sub-op) does not recurse: the inner
+call takes the rule path (and raises the usual no-rule error).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import torch
+
+from shardprop import dispatch, registry
+
+aten = torch.ops.aten
+
+# Ops without a rule whose decomposition passes the OpInfo sweep on every variant
+# (1d, 2d, uneven, backward) through the ops it decomposes into. Names as aten overloads.
+# aten.norm.* (reached from F.pairwise_distance and the triplet losses) decompose into
+# linalg_vector_norm, which has a rule: the reduction keeps shards off the reduced dims.
+DEFAULT_OPS = ["norm.Scalar", "norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype", "norm.ScalarOpt_dtype"]
+
+# Ops whose torch decomposition disagrees with the eager kernel (the sweep found it): never decomposed.
+# native_batch_norm in eval mode: the decomposition returns saved mean/invstd of shape (C,), eager (0,).
+NEVER = {"native_batch_norm.default", "_native_batch_norm_legit.default", "_native_batch_norm_legit.no_stats",
+         "_native_batch_norm_legit_no_training.default"}
+
+_enabled = os.environ.get("SHARDPROP_DECOMPOSE", "0") == "1"
+_installed = set()  # ops this module installed a handler for
+_active = threading.local()  # ops whose decomposition is running on this thread
+
+
+def decomposition(op):
+    """torch's decomposition of ``op`` (a callable on the op's arguments), or None.
+
+    Example:
+        >>> decomposition(torch.ops.aten.mse_loss.default) is not None
+        True
+    """
+    return _decomposition(op)
+
+
+@functools.lru_cache(maxsize=None)
+def _decomposition(op):
+    if _name(op) in NEVER:
+        return None
+    from torch._decomp import decomposition_table
+    fn = decomposition_table.get(op)
+    if fn is not None:
+        return fn
+    try:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    except (AttributeError, RuntimeError):
+        composite = False
+    if composite:
+        return op.decompose
+    return None
+
+
+def _name(op) -> str:
+    try:
+        return f"{op.overloadpacket.__name__}.{op._overloadname}"
+    except AttributeError:
+        return str(op)
+
+
+def _handler(op, args, kwargs):
+    """Special handler: a rule if one exists now, else the decomposition (once per op per stack)."""
+    kwargs = kwargs or {}
+    active = getattr(_active, "ops", None)
+    if active is None:
+        active = _active.ops = set()
+    if registry.lookup(op) is not None or op in active:
+        return dispatch.run(op, args, kwargs)
+    fn = _decomposition(op)
+    if fn is None:
+        return dispatch.run(op, args, kwargs)
+    active.add(op)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        active.discard(op)
+    if out is NotImplemented:  # op.decompose without a composite kernel for these arguments
+        return dispatch.run(op, args, kwargs)
+    return out
+
+
+def install(op) -> bool:
+    """Route ``op`` (when it has no rule) through its decomposition; False if torch has none.
+
+    Example:
+        >>> install(torch.ops.aten.mse_loss.default)  # doctest: +SKIP
+        True
+    """
+    if _decomposition(op) is None:
+        return False
+    current = dispatch.SPECIAL.get(op)
+    if current is not None and current is not _handler:
+        return False  # another special handler owns this op
+    dispatch.register_special(op, _handler)
+    _installed.add(op)
+    return True
+
+
+def uninstall(op) -> None:
+    """Undo :func:`install` (the op goes back to its rule, or the no-rule error)."""
+    if dispatch.SPECIAL.get(op) is _handler:
+        dispatch.SPECIAL.pop(op, None)
+        dispatch._OPS.pop(op, None)
+    _installed.discard(op)
+
+
+def _curated():
+    out = []
+    for name in DEFAULT_OPS:
+        packet, _, ov = name.partition(".")
+        p = getattr(aten, packet, None)
+        if p is not None and (ov or "default") in p.overloads():
+            out.append(getattr(p, ov or "default"))
+    return out
+
+
+def _all_decomposable():
+    from torch._decomp import decomposition_table
+    return [op for op in decomposition_table if isinstance(op, torch._ops.OpOverload)]
+
+
+def set_decompose_fallback(enabled: bool) -> None:
+    """Run every op that has no sharding rule as torch's decomposition of it (if torch has one).
+
+    Off by default (``SHARDPROP_DECOMPOSE=1`` turns it on at import); the curated
+    ``DEFAULT_OPS`` always decompose.
+
+    Example:
+        >>> shardprop.set_decompose_fallback(True)  # doctest: +SKIP
+        >>> torch.nn.functional.glu(x)               # no rule for glu: runs its decomposition
+    """
+    global _enabled
+    _enabled = bool(enabled)
+    _sync()
+
+
+def _sync() -> None:
+    """Handlers exactly on the wanted ops that have no rule (a rule, even a later one, wins)."""
+    wanted = set(_curated())
+    if _enabled:
+        wanted.update(_all_decomposable())
+    for op in list(_installed):
+        if op not in wanted or registry.lookup(op) is not None:
+            uninstall(op)
+    for op in wanted:
+        if op not in _installed and registry.lookup(op) is None and op not in dispatch.SPECIAL:
+            install(op)
+
+
+def decompose_fallback_enabled() -> bool:
+    """Whether :func:`set_decompose_fallback` is on."""
+    return _enabled
+
+
+def is_decomposed(op) -> bool:
+    """Whether a call of ``op`` now runs its decomposition (installed and no rule).
+
+    Example:
+        >>> is_decomposed(torch.ops.aten.mm.default)  # has a rule
+        False
+    """
+    return dispatch.SPECIAL.get(op) is _handler and registry.lookup(op) is None
+
+
+_sync()
+registry._listeners.append(_sync)

@@ -1,0 +1,149 @@
+"""distribute_module and parallelize_module: lay a model out over a mesh.
+
+``distribute_module`` is the low-level tool (parameters to DTensors plus input/output
+hooks); ``parallelize_module`` applies tensor-parallel styles (``shardprop.parallel_styles``)
+to submodules chosen by dotted names with ``*`` wildcards.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from torch import nn
+
+from shardprop.dtensor import DTensor
+from shardprop.parallel_styles import ParallelStyle, distribute_params
+from shardprop.placement import Replicate
+
+
+def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Callable] = None,
+                      input_fn: Optional[Callable] = None, output_fn: Optional[Callable] = None) -> nn.Module:
+    """Make every parameter and buffer of ``module`` a DTensor on ``device_mesh``; add input/output hooks.
+
+    ``partition_fn(name, submodule, mesh)`` is called for each submodule (``name`` is its dotted
+    name, ``""`` for ``module``) and may replace that submodule's parameters with DTensor
+    ``nn.Parameter``s of its choice; everything still a plain tensor afterwards is replicated.
+    Parameters stay ``nn.Parameter``s (``module.parameters()`` yields them, optimizers update them in
+    place). ``input_fn(module, inputs, mesh)`` runs as a forward pre-hook (return the new inputs
+    tuple, or None to keep them) and ``output_fn(module, outputs, mesh)`` as a forward hook.
+
+    Example:
+        >>> def shard_rows(name, mod, mesh):
+        ...     if isinstance(mod, nn.Linear):
+        ...         mod.weight = nn.Parameter(distribute_tensor(mod.weight.detach(), mesh, [Shard(0)]))
+        >>> distribute_module(model, mesh, shard_rows,
+        ...                   input_fn=lambda m, inputs, mesh: tuple(
+        ...                       DTensor.from_local(x, mesh, [Replicate()]) for x in inputs))  # doctest: +SKIP
+    """
+    mesh = device_mesh
+    for name, sub in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, sub, mesh)
+        distribute_params(sub, mesh, lambda _: Replicate())
+        _replicate_buffers(sub, mesh)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+    return module
+
+
+def _replicate_buffers(sub: nn.Module, mesh) -> None:
+    from shardprop.api import distribute_tensor
+    for bname, b in list(sub.named_buffers(recurse=False)):
+        if b is not None and not isinstance(b, DTensor):
+            sub._buffers[bname] = distribute_tensor(b, mesh, [Replicate()] * mesh.ndim)
+
+
+Plan = Union[ParallelStyle, Dict[str, ParallelStyle]]
+
+
+def match_submodules(module: nn.Module, key: str) -> List[Tuple[str, nn.Module]]:
+    """The (dotted name, submodule) pairs that ``key`` names; each dot-separated atom may use ``*``/``?``.
+
+    Example:
+        >>> [n for n, _ in match_submodules(model, "layers.*.attention.wq")]  # doctest: +SKIP
+        ['layers.0.attention.wq', 'layers.1.attention.wq']
+    """
+    found = [("", module)]
+    for atom in key.split("."):
+        found = [(f"{prefix}.{name}" if prefix else name, child)
+                 for prefix, mod in found for name, child in mod.named_children()
+                 if fnmatch.fnmatchcase(name, atom)]
+    return found
+
+
+def parallelize_module(module: nn.Module, device_mesh, parallelize_plan: Plan) -> nn.Module:
+    """Apply tensor-parallel styles to ``module`` on a 1-d mesh.
+
+    ``parallelize_plan`` is one style (for ``module`` itself) or a dict from dotted submodule names
+    to styles; an atom of a name may contain ``*`` wildcards (``"layers.*.feed_forward.w1"``). Styles
+    are applied in the plan's order. On a multi-dim mesh pass the tensor-parallel sub-mesh,
+    ``mesh["tp"]``.
+
+    Raises ValueError for a key that matches no submodule, a style on a module type it does not
+    support, or a weight dim that a style shards but the mesh size does not divide.
+
+    Example (a Llama-style model, plain tensor parallelism; attention and MLP each do one
+    all-reduce forward and one backward; each rank runs n_heads // tp heads, so the model must
+    reshape with the local head count, e.g. ``-1`` instead of ``n_heads`` in ``view``)::
+
+        >>> tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]  # doctest: +SKIP
+        >>> parallelize_module(model, tp, {
+        ...     "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        ...     "layers.*.attention.wq": ColwiseParallel(),   # also wk, wv
+        ...     "layers.*.attention.wo": RowwiseParallel(),
+        ...     "layers.*.feed_forward.w1": ColwiseParallel(),  # also w3
+        ...     "layers.*.feed_forward.w2": RowwiseParallel(),
+        ...     "output": ColwiseParallel(use_local_output=False),  # vocab-sharded logits for loss_parallel
+        ... })  # doctest: +SKIP
+
+    With sequence parallelism the residual stream is this rank's sequence piece (plain local
+    tensors of ``[B, S / tp, D]``); norms run on it, and attention/MLP gather it on entry and
+    reduce-scatter on exit::
+
+        >>> parallelize_module(model, tp, {
+        ...     "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        ...     "layers.*.attention_norm": SequenceParallel(),
+        ...     "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+        ...                                              desired_input_layouts=(Replicate(), None),
+        ...                                              use_local_output=True),
+        ...     "layers.*.attention.wq": ColwiseParallel(),
+        ...     "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        ...     "layers.*.ffn_norm": SequenceParallel(),
+        ...     "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+        ...                                                 desired_input_layouts=(Replicate(),),
+        ...                                                 use_local_output=True),
+        ...     "layers.*.feed_forward.w1": ColwiseParallel(),
+        ...     "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        ...     "norm": SequenceParallel(),
+        ...     "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+        ... })  # doctest: +SKIP
+    """
+    mesh = device_mesh
+    if mesh.ndim != 1:
+        names = getattr(mesh, "mesh_dim_names", None)
+        hint = f'mesh["{names[-1]}"]' if names else "a 1-d sub-mesh"
+        raise ValueError(f"parallelize_module: tensor parallelism needs a 1-d mesh, got a {mesh.ndim}-d mesh "
+                         f"{mesh}; pass the tensor-parallel sub-mesh, e.g. {hint}")
+    if isinstance(parallelize_plan, ParallelStyle):
+        return parallelize_plan._apply(module, mesh, "")
+    if not isinstance(parallelize_plan, dict):
+        raise TypeError(f"parallelize_module: the plan must be a ParallelStyle or a dict of name -> style, "
+                        f"not {type(parallelize_plan).__name__}")
+    for key, style in parallelize_plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_module: plan key {key!r} maps to {style!r}, which is not a ParallelStyle")
+        if key == "":
+            style._apply(module, mesh, "")
+            continue
+        matches = match_submodules(module, key)
+        if not matches:
+            raise ValueError(f"parallelize_module: plan key {key!r} ({type(style).__name__}) matches no submodule "
+                             f"of {type(module).__name__}; its children are {[n for n, _ in module.named_children()]}")
+        for name, sub in matches:
+            style._apply(sub, mesh, name)
+    return module
+
+
+__all__ = ["distribute_module", "parallelize_module", "match_submodules"]
