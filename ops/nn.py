@@ -433,6 +433,22 @@ def sdpa(ctx):
     return options
 
 
+def _sdpa_call(op, out, largs, lkwargs):
+    """Refuse attention dropout on shards: each rank's kernel would draw its own mask for its
+    piece, which is not the matching piece of one device's mask (every rank raises alike)."""
+    p = largs[3] if len(largs) > 3 else lkwargs.get("dropout_p", 0.0)
+    if p and any(type(pl) is Shard for spec in out.in_specs for pl in spec.placements):
+        from shardprop.propagate import ShardingError
+        raise ShardingError(
+            f"{op}: dropout_p={p} on sharded inputs {[list(s.placements) for s in out.in_specs]} is not "
+            "supported (the masks would not match a single device's); use dropout_p=0 with sharded inputs "
+            "or replicate q, k and v")
+    return op(*largs, **lkwargs)
+
+
+register_local_call(aten._scaled_dot_product_flash_attention_for_cpu.default, _sdpa_call)
+
+
 @rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def sdpa_backward(ctx):
     """Batch/head shard: every tensor alike. Query-sequence shard: k and v gradients are P(sum)."""

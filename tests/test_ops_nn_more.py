@@ -212,3 +212,21 @@ def _batch_norm_running_stats():
 
 def test_batch_norm_running_stats():
     assert all(run_on_ranks(4, _batch_norm_running_stats))
+
+
+def _sdpa_dropout_on_shards():
+    import shardprop
+    mesh = init_device_mesh("cpu", (4,))
+    g = torch.Generator().manual_seed(1)
+    full = [torch.randn(2, 4, 6, 8, generator=g) for _ in range(3)]
+    q, k, v = (distribute_tensor(t, mesh, [Shard(1)]) for t in full)
+    shardprop.manual_seed(7, mesh)
+    got = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3).full_tensor()
+    torch.manual_seed(7)
+    want = F.scaled_dot_product_attention(*full, dropout_p=0.3)
+    return torch.allclose(got, want, atol=1e-6)
+
+
+def test_sdpa_dropout_on_head_shards_equals_single_device():
+    # CPU takes the math path with dropout: its masks come from shardprop.rng, shard by shard.
+    assert all(run_on_ranks(4, _sdpa_dropout_on_shards))
