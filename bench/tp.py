@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,16 @@ from _launch import launch  # noqa: E402
 WORLD = 4
 MESHES = {"tp4": (4,), "dp2xtp2": (2, 2)}
 LOSS_RTOL = 1e-4
+
+
+def torch_styles() -> SimpleNamespace:
+    """The reference's styles and placements under the names :func:`tp_plan` uses."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    return SimpleNamespace(Shard=Shard, Replicate=Replicate, ColwiseParallel=ColwiseParallel,
+                           RowwiseParallel=RowwiseParallel, SequenceParallel=SequenceParallel,
+                           PrepareModuleInput=PrepareModuleInput)
 
 
 def _cfg(args):
@@ -82,7 +93,7 @@ class _Contender:
     """A parallelized model, its optimizer and its dp averaging; ``step(i)`` trains on batch ``i``."""
 
     def __init__(self, name, cfg, mesh_shape, args):
-        from shardprop.llama import Llama, make_optimizer, tp_plan, torch_styles
+        from shardprop.llama import Llama, make_optimizer, tp_plan
         self.name, self.cfg, self.batch, self.seed = name, cfg, args["batch"], args["seed"]
         names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
         model = Llama(cfg, self.seed)

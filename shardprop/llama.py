@@ -171,7 +171,7 @@ def tp_plan(P=None, *, loss_parallel: bool = False) -> dict:
     """The tensor-parallel plan (torchtitan style: Megatron TP plus sequence parallelism for norms).
 
     ``P`` is the namespace the styles and placements come from: ``shardprop`` (default) or
-    :func:`torch_styles` for the reference. Activations between blocks are sharded on the
+    the reference's styles (``bench/tp.py`` builds that namespace; product code never imports the reference). Activations between blocks are sharded on the
     sequence dim (``Shard(1)``); attention and the MLP gather them, compute on local heads /
     hidden units, and reduce-scatter back.
 
@@ -209,16 +209,6 @@ def shardprop_styles() -> SimpleNamespace:
     return SimpleNamespace(Shard=Shard, Replicate=Replicate, ColwiseParallel=ps.ColwiseParallel,
                            RowwiseParallel=ps.RowwiseParallel, SequenceParallel=ps.SequenceParallel,
                            PrepareModuleInput=ps.PrepareModuleInput)
-
-
-def torch_styles() -> SimpleNamespace:
-    """The reference's styles and placements under the names :func:`tp_plan` uses (bench and tests only)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
-    return SimpleNamespace(Shard=Shard, Replicate=Replicate, ColwiseParallel=ColwiseParallel,
-                           RowwiseParallel=RowwiseParallel, SequenceParallel=SequenceParallel,
-                           PrepareModuleInput=PrepareModuleInput)
 
 
 def synthetic_batch(cfg: LlamaConfig, batch: int, step: int, seed: int = 0):
