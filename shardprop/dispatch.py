@@ -311,6 +311,11 @@ def _redistribute_inputs(op, args, kwargs, out, schema):
         return a
 
     largs = [local_of(a) for a in args]
+    if out.returns == "self" and out.plans and out.plans[0] is not None:
+        # A Partial in-place target reduced first (see propagate._choose_per_dim): it now holds the
+        # reduced value, and the op writes into that.
+        args[0]._local_tensor = largs[0]
+        args[0]._spec = out.in_specs[0]
     written = _prop.written_kwargs(op)
     lkwargs = {}
     for k, v in (kwargs or {}).items():

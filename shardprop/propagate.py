@@ -187,15 +187,23 @@ def _choose_per_dim(ctx: PropContext, options, self_fixed: bool) -> tuple:
     for m in range(mesh.ndim):
         k = mesh.shape[m]
         best = None
-        for ins, outs in options:
-            if self_fixed and (ins[0] != specs[0].placements[m] or (outs and outs[0] != specs[0].placements[m])):
-                continue
-            cost = 0.0
-            for i, s in enumerate(specs):
-                cost += transition_cost(s.placements[m], ins[i], sizes[i], k)
-            candidates.append(Candidate(m, ins, outs, cost))
-            if best is None or cost < best[0]:
-                best = (cost, ins, outs)
+        # An in-place target keeps its placement; a Partial one that no option keeps (x.add_(eps) on a
+        # P(sum) variance) may be reduced in place first: the value is the same, only its layout changes.
+        keeps = [specs[0].placements[m]] if self_fixed else [None]
+        if self_fixed and specs[0].placements[m].is_partial():
+            keeps.append(Replicate())
+        for keep in keeps:
+            for ins, outs in options:
+                if keep is not None and (ins[0] != keep or (outs and outs[0] != keep)):
+                    continue
+                cost = 0.0
+                for i, s in enumerate(specs):
+                    cost += transition_cost(s.placements[m], ins[i], sizes[i], k)
+                candidates.append(Candidate(m, ins, outs, cost))
+                if best is None or cost < best[0]:
+                    best = (cost, ins, outs)
+            if best is not None:
+                break
         if best is None:
             raise ShardingError(f"{ctx.op}: no strategy keeps the in-place target at {list(specs[0].placements)}")
         for i in range(len(specs)):
@@ -289,7 +297,8 @@ def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
         out_specs.append(DTensorSpec(mesh, _normalize_out(out_pl[j], len(meta.shape), where), meta))
     if returns == "out":
         out_specs = _check_out(schema, out_specs, where)
-    if self_fixed and out_specs and out_specs[0] is not None and out_specs[0].placements != ctx.specs[0].placements:
+    if (self_fixed and out_specs and out_specs[0] is not None and out_specs[0].placements != ctx.specs[0].placements
+            and out_specs[0].placements != in_specs[0].placements):  # equal: a Partial target reduced in place
         raise ShardingError(f"{op}: in-place op would change its target from {list(ctx.specs[0].placements)} "
                             f"to {list(out_specs[0].placements)}")
     return OutputSharding(tuple(out_specs), in_specs, plans, any(p is not None for p in plans), returns,

@@ -262,13 +262,18 @@ def _errors():
         fallback_ok = torch.allclose(vals.full_tensor(), torch.cummax(x.full_tensor(), 0)[0])
     finally:
         shardprop.set_fallback_to_replicate(False)
-    p = distribute_tensor(torch.randn(8, 4), mesh, [Partial()])
     try:
-        p.add_(1.0)
+        x.cumsum_(0)  # along the sharded dim: only a replicated target works, and x must stay S(0)
     except Exception as e:
         msgs["inplace"] = str(e)
+    # A Partial target is reduced in place first: p keeps its value (plus one), now replicated.
+    p = distribute_tensor(torch.randn(8, 4), mesh, [Partial()])
+    before = p.full_tensor()
+    same_p = p.add_(1.0)
+    partial_ok = (same_p is p and p.placements == (Replicate(),)
+                  and torch.allclose(p.full_tensor(), before + 1.0))
     same = x.add_(1.0)
-    return msgs, scalar_ok, fallback_ok, same is x
+    return msgs, scalar_ok, fallback_ok, same is x and partial_ok
 
 
 def test_clear_errors():
@@ -278,7 +283,7 @@ def test_clear_errors():
     assert "sptest.cummax_values.default" in msgs["no_rule"] and "register_sharding" in msgs["no_rule"]
     assert "S(0)" in msgs["no_rule"]
     assert fallback_ok
-    assert "aten.add_.Tensor" in msgs["inplace"] and "P(sum)" in msgs["inplace"]
+    assert "aten.cumsum_.default" in msgs["inplace"] and "S(0)" in msgs["inplace"], msgs["inplace"]
     assert inplace_returns_self
 
 

@@ -402,14 +402,10 @@ def _tensor_ops_partial():
     else:
         raise AssertionError("fill_ on P(sum) did not raise")
     _close(z, full, "P(sum) after a refused fill_")
-    # an in-place op whose result cannot keep self's layout raises, naming the op
-    try:
-        z.add_(1.0)  # x_i + 1 on every rank adds 4, not 1
-    except ShardingError as e:
-        if "add_" not in str(e):
-            raise AssertionError(f"add_ error does not name the op: {e}")
-    else:
-        raise AssertionError("add_ of a scalar to P(sum) did not raise")
+    # x_i + 1 on every rank would add 4, not 1: no option keeps P(sum), so z is reduced in place first
+    z.add_(1.0)
+    _expect_placements(z, [R], "add_ of a scalar to P(sum)")
+    _close(z, full + 1.0, "add_ of a scalar to P(sum)")
     # shape-only ops of a Partial give Replicate
     x, _ = _partial(shape, mesh, 9)
     for fn, want in ((torch.zeros_like, torch.zeros(shape)), (torch.ones_like, torch.ones(shape))):
