@@ -311,7 +311,7 @@ def _redistribute_inputs(op, args, kwargs, out, schema):
         return a
 
     largs = [local_of(a) for a in args]
-    if out.returns == "self" and out.plans and out.plans[0] is not None:
+    if out.returns == "self" and out.plans and out.plans[0] is not None and isinstance(args[0], DTensor):
         # A Partial in-place target reduced first (see propagate._choose_per_dim): it now holds the
         # reduced value, and the op writes into that.
         args[0]._local_tensor = largs[0]
