@@ -21,14 +21,13 @@ import torch
 from shardprop.layout import local_shape_and_offset
 from shardprop.placement import Partial, Replicate, Shard
 from shardprop.registry import register_local_call, rule
-from shardprop import dispatch as _dispatch
-from shardprop.dispatch import DTensor, register_special
-from shardprop.redistribute import redistribute_local
-from shardprop.spec import DTensorSpec, TensorMeta
+from shardprop.dispatch import register_special
+from shardprop.spec import DTensorSpec
 
 from .nn import _inputs, replicate_options
 from .pointwise import _aligned_dim, pointwise_options
 from .reduction import pieces_ok
+from .replicated import run_whole
 
 aten = torch.ops.aten
 R = Replicate()
@@ -227,47 +226,5 @@ NO_META = [aten._ctc_loss.default, aten._ctc_loss.Tensor, aten._ctc_loss_backwar
            aten.multilabel_margin_loss_backward.default]
 
 
-def _whole(a):
-    if isinstance(a, DTensor):
-        spec = a._spec
-        if spec.is_replicated:
-            return a._local_tensor
-        return redistribute_local(a._local_tensor, spec, (R,) * spec.mesh.ndim)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_whole(x) for x in a)
-    return a
-
-
-def _mesh_of(args):
-    for a in args:
-        if isinstance(a, DTensor):
-            return a._spec.mesh
-        if isinstance(a, (list, tuple)):
-            m = _mesh_of(a)
-            if m is not None:
-                return m
-    return None
-
-
-def run_replicated(op, args, kwargs):
-    """Special handler: ``op`` on the full value of every DTensor argument; outputs Replicate.
-
-    Example:
-        >>> run_replicated(aten._ctc_loss.default, (log_probs, targets, [50], [30]), {})  # doctest: +SKIP
-    """
-    kwargs = kwargs or {}
-    mesh = _mesh_of(list(args) + list(kwargs.values()))
-    res = op(*_whole(args), **{k: _whole(v) for k, v in kwargs.items()})
-
-    def wrap(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        meta = TensorMeta(t.shape, t.stride(), t.dtype)
-        return _dispatch.wrap(t, DTensorSpec(mesh, (R,) * mesh.ndim, meta))
-    if isinstance(res, (tuple, list)):
-        return type(res)(wrap(t) for t in res)
-    return wrap(res)
-
-
 for _op in NO_META:
-    register_special(_op, run_replicated)
+    register_special(_op, run_whole)

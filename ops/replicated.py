@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.dispatch import register_special, wrap
+from shardprop.dispatch import _plain_tensor_error, register_special, same_on_every_rank, wrap
 from shardprop.dtensor import DTensor
 from shardprop.placement import Replicate
 from shardprop.propagate import ShardingError
@@ -148,9 +148,8 @@ def _gathered(args, mesh_box):
         return redistribute_local(args._local_tensor, spec, (R,) * spec.mesh.ndim)
     if t is list or t is tuple:
         return t(_gathered(a, mesh_box) for a in args)
-    if isinstance(args, torch.Tensor) and args.dim() > 0:
-        raise ShardingError(f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(args.shape)}; "
-                            "make it a DTensor first")
+    if isinstance(args, torch.Tensor) and args.dim() > 0 and not same_on_every_rank(args):
+        raise _plain_tensor_error(args)
     return args
 
 

@@ -270,13 +270,23 @@ def _replicate_plain_indices(args, kwargs):
         if t is dict:
             return {k: conv(v) for k, v in a.items()}
         if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            if mesh is None or ((a.is_floating_point() or a.is_complex()) and bool(a.any())):
+            if mesh is None or not same_on_every_rank(a):
                 raise _plain_tensor_error(a)
             spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
             return DTensor(a, spec)
         return a
 
     return conv(args), conv(kwargs) if kwargs else kwargs
+
+
+def same_on_every_rank(t) -> bool:
+    """Whether a plain tensor mixed with DTensors may be taken as replicated (see _replicate_plain_indices).
+
+    Example:
+        >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
+        (True, False)
+    """
+    return not (t.is_floating_point() or t.is_complex()) or not bool(t.any())
 
 
 def _first_mesh(a):
