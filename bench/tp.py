@@ -1,8 +1,8 @@
 """Benchmark tensor parallelism: the demo model under shardprop vs torch.distributed.tensor.parallel.
 
 Spawns 4 CPU ranks (gloo on 127.0.0.1, one thread each). On a 1-d tp=4 mesh and a
-2x2 ("dp", "tp") mesh, the demo's Llama model (shardprop.llama, no dropout) is
-parallelized with the same plan (``shardprop.llama.tp_plan``, built once from
+2x2 ("dp", "tp") mesh, the demo's Llama model (shardprop.demo.model, no dropout) is
+parallelized with the same plan (``shardprop.demo.model.tp_plan``, built once from
 shardprop's styles and once from torch's) and trained with AdamW
 (``foreach=False`` for both). One step = forward + backward + dp gradient
 averaging + optimizer step.
@@ -61,7 +61,7 @@ def torch_styles() -> SimpleNamespace:
 
 
 def _cfg(args):
-    from shardprop.llama import LlamaConfig
+    from shardprop.demo.model import LlamaConfig
     return LlamaConfig(dim=args["dim"], n_layers=args["layers"], n_heads=args["heads"],
                        vocab_size=args["vocab"], seq_len=args["seq"])
 
@@ -70,7 +70,7 @@ class _RefBuckets:
     """The reference's dp averaging: our bucket assignment, one synchronous all-reduce per bucket."""
 
     def __init__(self, model, group, dp_size):
-        from shardprop.data_parallel import DEFAULT_SIZE_LIMITS, compute_bucket_assignment_by_size
+        from shardprop.parallel.data_parallel import DEFAULT_SIZE_LIMITS, compute_bucket_assignment_by_size
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = compute_bucket_assignment_by_size([p.to_local() for p in self.params],
                                                          DEFAULT_SIZE_LIMITS)
@@ -93,14 +93,14 @@ class _Contender:
     """A parallelized model, its optimizer and its dp averaging; ``step(i)`` trains on batch ``i``."""
 
     def __init__(self, name, cfg, mesh_shape, args):
-        from shardprop.llama import Llama, make_optimizer, tp_plan
+        from shardprop.demo.model import Llama, make_optimizer, tp_plan
         self.name, self.cfg, self.batch, self.seed = name, cfg, args["batch"], args["seed"]
         names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
         model = Llama(cfg, self.seed)
         if name == "ours":
             import shardprop
-            from shardprop.data_parallel import replicate_gradients
-            from shardprop.parallelize import parallelize_module
+            from shardprop.parallel.data_parallel import replicate_gradients
+            from shardprop.parallel.parallelize import parallelize_module
             mesh = shardprop.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             tp = mesh["tp"] if len(mesh_shape) == 2 else mesh
             self.model = parallelize_module(model, tp, tp_plan())
@@ -120,7 +120,7 @@ class _Contender:
         self.opt = make_optimizer("adamw", self.model.parameters())
 
     def step(self, i):
-        from shardprop.llama import lm_loss, synthetic_batch
+        from shardprop.demo.model import lm_loss, synthetic_batch
         n, r = self.dp
         tokens, targets = synthetic_batch(self.cfg, self.batch, i, self.seed)
         k = self.batch // n

@@ -24,9 +24,9 @@ from typing import NamedTuple, Tuple
 
 import torch
 
-from shardprop.dispatch import _TRUE
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import rule
+from shardprop.dispatch.dispatcher import _TRUE
+from shardprop.dispatch.registry import rule
+from shardprop.tensor.placement import Partial, Replicate, Shard
 
 from .args import arg
 

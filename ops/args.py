@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 
-from shardprop.placement import Replicate
-from shardprop.spec import DTensorSpec
+from shardprop.tensor.placement import Replicate
+from shardprop.tensor.spec import DTensorSpec
 
 R = Replicate()
 _MISSING = object()

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import rule
+from shardprop.dispatch.registry import rule
+from shardprop.tensor.placement import Partial, Replicate, Shard
 
 aten = torch.ops.aten
 

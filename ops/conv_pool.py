@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import register_local_call, rule
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.placement import Partial, Replicate, Shard
 
 from .nn import _arg, _inputs
 from .reduction import pieces_ok
@@ -125,7 +125,7 @@ def grid_sampler_backward(ctx):
 # ------------------------------------------------------------------ convolution
 def _conv_layout(ctx, input_index: int, weight_index: int, transposed_index: int, groups_index: int):
     """(batched, transposed, groups, weight's out-channel dim, weight's in-channel dim)."""
-    from shardprop.dispatch import _TRUE
+    from shardprop.dispatch.dispatcher import _TRUE
     x = _arg(ctx, input_index, "input")
     w = _arg(ctx, weight_index, "weight")
     transposed = _arg(ctx, transposed_index, "transposed") is _TRUE

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
-from shardprop.placement import Replicate, Shard
+from shardprop.tensor.placement import Replicate, Shard
 
 
 @dataclass(frozen=True)

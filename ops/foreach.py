@@ -19,11 +19,11 @@ import functools
 
 import torch
 
-from shardprop import propagate as _prop
-from shardprop.op_schema import OpSchema
-from shardprop import registry
-from shardprop.registry import rule
-from shardprop.spec import DTensorSpec
+from shardprop.dispatch import propagate as _prop
+from shardprop.dispatch import registry
+from shardprop.dispatch.op_schema import OpSchema
+from shardprop.dispatch.registry import rule
+from shardprop.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
 
@@ -213,7 +213,7 @@ def _choose_with(sub, keep_self: bool, fixed: set):
 
 
 def _replicated(spec: DTensorSpec) -> DTensorSpec:
-    from shardprop.placement import Replicate
+    from shardprop.tensor.placement import Replicate
     return spec.with_placements(tuple(Replicate() for _ in spec.placements))
 
 
@@ -251,7 +251,7 @@ def foreach_options(ctx):
 
 def norm_options(ctx):
     """Each list element keeps its shards (Partial -> Replicate); every norm comes out Replicate."""
-    from shardprop.placement import Replicate
+    from shardprop.tensor.placement import Replicate
     ins = tuple(tuple(Replicate() if p.is_partial() else p for p in s.placements) for s in ctx.specs)
     outs = tuple(tuple(Replicate() for _ in ctx.mesh.shape) for _ in ctx.out_metas)
     return [(ins, outs)]

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from shardprop import dispatch as _dispatch
-from shardprop.dtensor import DTensor, make_spec
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.redistribute import redistribute_local
-from shardprop.registry import rule
-from shardprop.spec import DTensorSpec
+from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch.registry import rule
+from shardprop.tensor.dtensor import DTensor, make_spec
+from shardprop.tensor.placement import Partial, Replicate, Shard
+from shardprop.tensor.redistribute import redistribute_local
+from shardprop.tensor.spec import DTensorSpec
 
 from .args import arg, inputs_by_name
 

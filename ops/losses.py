@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.layout import local_shape_and_offset
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import register_local_call, rule
-from shardprop.dispatch import register_special
-from shardprop.spec import DTensorSpec
+from shardprop.dispatch.dispatcher import register_special
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate, Shard
+from shardprop.tensor.spec import DTensorSpec
 
 from .nn import _inputs, replicate_options
 from .pointwise import _aligned_dim, pointwise_options

@@ -23,9 +23,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import rule
-from shardprop.spec import DTensorSpec
+from shardprop.dispatch.registry import rule
+from shardprop.tensor.placement import Partial, Replicate, Shard
+from shardprop.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.layout import local_shape_and_offset
-from shardprop.op_schema import _marker
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import register_local_call, rule
-from shardprop.spec import DTensorSpec
+from shardprop.dispatch.op_schema import _marker
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate, Shard
+from shardprop.tensor.spec import DTensorSpec
 
 from .args import inputs_by_name
 
@@ -264,7 +264,7 @@ def _named(ctx) -> dict:
 
 
 def _training(ctx) -> bool:
-    from shardprop.dispatch import _TRUE
+    from shardprop.dispatch.dispatcher import _TRUE
     flag = BATCH_NORM[ctx.op]
     if type(flag) is not bool:
         flag = ctx.args[flag] is _TRUE
@@ -355,7 +355,7 @@ def _keep_running_stats(ctx, options, m: int):
         return options
     kept = [o for o in options if all(ctx.specs[i].placements[m] == o[0][i] for i in stats)]
     if not kept:
-        from shardprop.propagate import ShardingError
+        from shardprop.dispatch.propagate import ShardingError
         raise ShardingError(f"{ctx.op}: training batch norm updates running_mean/running_var in place; "
                             f"on mesh dim {m} they must be replicated, or sharded on dim 0 (channel shard) "
                             "where the channels split into non-empty pieces")
@@ -418,7 +418,7 @@ def _mask_placement(mask, dim: int, size: int):
 def sdpa(ctx):
     """(out, logsumexp) of q (B, H, L, E), k, v (B, H, S, *): batch or head shard of q, k, v alike;
     without a causal mask also a shard of the query sequence (k and v whole)."""
-    from shardprop.dispatch import _TRUE
+    from shardprop.dispatch.dispatcher import _TRUE
     named = _named(ctx)
     q, k, v, mask = named["query"], named["key"], named["value"], named.get("attn_mask")
     options = []
@@ -438,7 +438,7 @@ def _sdpa_call(op, out, largs, lkwargs):
     piece, which is not the matching piece of one device's mask (every rank raises alike)."""
     p = largs[3] if len(largs) > 3 else lkwargs.get("dropout_p", 0.0)
     if p and any(type(pl) is Shard for spec in out.in_specs for pl in spec.placements):
-        from shardprop.propagate import ShardingError
+        from shardprop.dispatch.propagate import ShardingError
         raise ShardingError(
             f"{op}: dropout_p={p} on sharded inputs {[list(s.placements) for s in out.in_specs]} is not "
             "supported (the masks would not match a single device's); use dropout_p=0 with sharded inputs "
@@ -452,7 +452,7 @@ register_local_call(aten._scaled_dot_product_flash_attention_for_cpu.default, _s
 @rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def sdpa_backward(ctx):
     """Batch/head shard: every tensor alike. Query-sequence shard: k and v gradients are P(sum)."""
-    from shardprop.dispatch import _TRUE
+    from shardprop.dispatch.dispatcher import _TRUE
     named = _named(ctx)
     q, k, v, mask = named["query"], named["key"], named["value"], named.get("attn_mask")
     options = []

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.op_schema import FLOAT, ScalarTensor
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import register_local_call, rule
+from shardprop.dispatch.op_schema import FLOAT, ScalarTensor
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.placement import Partial, Replicate, Shard
 
 aten = torch.ops.aten
 
@@ -100,13 +100,13 @@ def pointwise_options(ctx, linear_all: bool = False, linear_first: bool = False)
 
 
 def _first_arg_is_spec(ctx) -> bool:
-    from shardprop.spec import DTensorSpec
+    from shardprop.tensor.spec import DTensorSpec
     return bool(ctx.args) and type(ctx.args[0]) is DTensorSpec
 
 
 def _scalars_allow_partial(ctx) -> bool:
     """add/sub with a Python scalar or plain tensor operand are not linear in the Partial (x_i + c)."""
-    from shardprop.spec import DTensorSpec
+    from shardprop.tensor.spec import DTensorSpec
     for a in ctx.args:
         if type(a) is not DTensorSpec and (a is FLOAT or type(a) in (int, ScalarTensor)):
             return False

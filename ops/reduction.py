@@ -26,10 +26,10 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from shardprop.dispatch import _TRUE
-from shardprop.layout import chunk_bounds
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import rule
+from shardprop.dispatch.dispatcher import _TRUE
+from shardprop.dispatch.registry import rule
+from shardprop.tensor.layout import chunk_bounds
+from shardprop.tensor.placement import Partial, Replicate, Shard
 
 aten = torch.ops.aten
 

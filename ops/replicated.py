@@ -25,13 +25,18 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.dispatch import _plain_tensor_error, register_special, same_on_every_rank, wrap
-from shardprop.dtensor import DTensor
-from shardprop.placement import Replicate
-from shardprop.propagate import ShardingError
-from shardprop.redistribute import redistribute_local
-from shardprop.registry import register_local_call, rule
-from shardprop.spec import DTensorSpec, TensorMeta
+from shardprop.dispatch.dispatcher import (
+    _plain_tensor_error,
+    register_special,
+    same_on_every_rank,
+    wrap,
+)
+from shardprop.dispatch.propagate import ShardingError
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.placement import Replicate
+from shardprop.tensor.redistribute import redistribute_local
+from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 from .along_dim import arg
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.dispatch import register_special
-from shardprop.placement import Replicate
-from shardprop.redistribute import redistribute_local
+from shardprop.dispatch.dispatcher import register_special
+from shardprop.tensor.placement import Replicate
+from shardprop.tensor.redistribute import redistribute_local
 
 aten = torch.ops.aten
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.layout import local_shape_and_offset
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.registry import register_local_call, rule
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate, Shard
 
 from .along_dim import arg
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.placement import REDUCE_OPS, Partial, Replicate, Shard
-from shardprop.propagate import ShardingError
-from shardprop.registry import register_local_call, rule
-from shardprop.spec import DTensorSpec
+from shardprop.dispatch.propagate import ShardingError
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.placement import REDUCE_OPS, Partial, Replicate, Shard
+from shardprop.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
 R = Replicate()

@@ -39,14 +39,27 @@ import functools
 
 import torch
 
-from shardprop import dispatch as _dispatch
-from shardprop.layout import local_shape_and_offset
-from shardprop.placement import Replicate
-from shardprop.propagate import ShardingError
-from shardprop.registry import register_local_call, rule
+from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch.propagate import ShardingError
+from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Replicate
 
-from .dim_maps import (Resized, Same, cut_map, embed_map, expand_map, identity_map, map_placements,
-                       movedim_perm, permute_map, squeeze_map, transpose_map, unsqueeze_map, view_map)
+from .dim_maps import (
+    Resized,
+    Same,
+    cut_map,
+    embed_map,
+    expand_map,
+    identity_map,
+    map_placements,
+    movedim_perm,
+    permute_map,
+    squeeze_map,
+    transpose_map,
+    unsqueeze_map,
+    view_map,
+)
 
 aten = torch.ops.aten
 

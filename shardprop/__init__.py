@@ -1,24 +1,25 @@
 """shardprop: a from-scratch DTensor engine for PyTorch."""
-from shardprop.placement import Partial, Placement, Replicate, Shard
-from shardprop.spec import DTensorSpec, TensorMeta
+from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.spec import DTensorSpec, TensorMeta
 from shardprop.mesh import DeviceMesh, init_device_mesh
-from shardprop.dtensor import DTensor
-from shardprop.api import distribute_tensor
-from shardprop.redistribute import plan_redistribute
-from shardprop import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
-from shardprop.propagate import ShardingError, clear_cache, set_cache_size, set_fallback_to_replicate
-from shardprop.registry import register_sharding, unregister_sharding
-from shardprop.stats import cache_stats, print_cache_stats
-from shardprop.explain import ImplicitRedistributionError, explain, explicit
-from shardprop.check import RuleReport, check_sharding_rule
-from shardprop.decompose import set_decompose_fallback
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.distribute import distribute_tensor
+from shardprop.tensor.redistribute import plan_redistribute
+from shardprop.dispatch import dispatcher as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
+from shardprop.dispatch.propagate import ShardingError
+from shardprop.dispatch.cache_control import clear_cache, set_cache_size, set_fallback_to_replicate
+from shardprop.dispatch.registry import register_sharding, unregister_sharding
+from shardprop.debug.stats import cache_stats, print_cache_stats
+from shardprop.debug.explain import ImplicitRedistributionError, explain, explicit
+from shardprop.debug.check_rule import RuleReport, check_sharding_rule
+from shardprop.dispatch.decompose import set_decompose_fallback
 import shardprop.ops  # noqa: F401,E402  (registers the built-in rules)
-from shardprop.parallelize import distribute_module, parallelize_module  # noqa: E402
-from shardprop.parallel_styles import ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel  # noqa: E402
-from shardprop.loss_parallel import loss_parallel  # noqa: E402
+from shardprop.parallel.parallelize import distribute_module, parallelize_module  # noqa: E402
+from shardprop.parallel.styles import ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel  # noqa: E402
+from shardprop.parallel.loss_parallel import loss_parallel  # noqa: E402
 from shardprop.mesh.collectives import CommCounter, comm_counter  # noqa: E402
-from shardprop.rng import manual_seed  # noqa: E402  (also registers the random-op handlers)
-from shardprop.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
+from shardprop.dispatch.random_ops import manual_seed  # noqa: E402  (also registers the random-op handlers)
+from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
 
 __all__ = [
     "distribute_module", "parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",

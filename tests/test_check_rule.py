@@ -9,8 +9,8 @@ import torch
 
 import shardprop
 from shardprop import Partial, Replicate, Shard
-from shardprop.check import check_sharding_rule
-from shardprop.registry import lookup
+from shardprop.debug.check_rule import check_sharding_rule
+from shardprop.dispatch.registry import lookup
 from tests.rankpool import run_on_ranks
 
 aten = torch.ops.aten

@@ -49,7 +49,8 @@ def _define_ops():
 
 def _cleanup(ops):
     # The test ops keep their decomposition_table entries: the pool's processes outlive this test.
-    from shardprop import decompose, set_decompose_fallback, unregister_sharding
+    from shardprop.dispatch import decompose
+    from shardprop import set_decompose_fallback, unregister_sharding
     set_decompose_fallback(False)
     for op in ops:
         unregister_sharding(op)
@@ -58,8 +59,9 @@ def _cleanup(ops):
 
 def _scenarios():
     import shardprop
-    from shardprop import Replicate, Shard, ShardingError, decompose, distribute_tensor, init_device_mesh
-    from shardprop.explain import explain
+    from shardprop.dispatch import decompose
+    from shardprop import Replicate, Shard, ShardingError, distribute_tensor, init_device_mesh
+    from shardprop.debug.explain import explain
     axpy, loop = _define_ops()
     mesh = init_device_mesh("cpu", (4,))
     g = torch.Generator().manual_seed(0)
@@ -158,7 +160,8 @@ def test_rule_wins_over_decomposition(scenarios):
 
 
 def test_curated_table_has_decompositions_and_no_rules():
-    from shardprop import decompose, registry
+    from shardprop.dispatch import decompose
+    from shardprop.dispatch import registry
     for op in decompose._curated():
         assert decompose.decomposition(op) is not None, f"{op}: torch has no decomposition"
         if registry.lookup(op) is not None:

@@ -46,7 +46,7 @@ def _cache_hits_and_misses():
     x * 0.5
     x * 0.25                          # floats never change sharding: shared entry, a hit
     muls = row("aten.mul.Tensor")
-    table = shardprop.stats.format_cache_stats()
+    table = shardprop.debug.stats.format_cache_stats()
     return first, second, third, sums, muls, table
 
 
@@ -63,9 +63,9 @@ def test_second_identical_call_hits_and_non_tensor_args_miss():
 
 def _propagate_cached_vs_uncached(cases):
     from shardprop import Partial, Replicate, Shard, distribute_tensor
-    from shardprop.dispatch import _flatten
-    from shardprop.op_schema import OpSchema
-    from shardprop.propagate import _propagate_uncounted, propagate
+    from shardprop.dispatch.dispatcher import _flatten
+    from shardprop.dispatch.op_schema import OpSchema
+    from shardprop.dispatch.propagate import _propagate_uncounted, propagate
     mesh = _mesh()
     placements = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1), "P": Partial()}
     ops = {"add": aten.add.Tensor, "mul": aten.mul.Tensor, "mm": aten.mm.default, "relu": aten.relu.default,

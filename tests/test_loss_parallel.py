@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardprop import (ColwiseParallel, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh,
                        loss_parallel, parallelize_module)
-from shardprop import dispatch as sp_dispatch
-from shardprop.loss_parallel import HANDLERS
+from shardprop.dispatch import dispatcher as sp_dispatch
+from shardprop.parallel.loss_parallel import HANDLERS
 from tests.rankpool import run_on_ranks
 
 R = Replicate()

@@ -52,7 +52,7 @@ def _layouts(ndim, mesh_ndim):
 def _forward(mesh_shape):
     """(problems, records): records are (case, input layouts, output placements, collectives)."""
     from shardprop import distribute_tensor, init_device_mesh
-    from shardprop.explain import explain
+    from shardprop.debug.explain import explain
     mesh = init_device_mesh("cpu", mesh_shape)
     problems, records = [], []
     for ci, (name, (shapes, kind, dim)) in enumerate(CASES.items()):
@@ -124,7 +124,7 @@ def test_shared_layouts(forward):
 def _legacy_empty(mesh_shape):
     """cat skips (0,) inputs: under any placement they cost nothing and do not stop a shard."""
     from shardprop import distribute_tensor, init_device_mesh
-    from shardprop.explain import explain
+    from shardprop.debug.explain import explain
     mesh = init_device_mesh("cpu", mesh_shape)
     a, b = _full((4, 6), 0), _full((3, 6), 1)
     empty = torch.empty(0, dtype=torch.float64)
@@ -225,7 +225,7 @@ def _loss(pieces):
 
 def _backward(mesh_shape):
     from shardprop import distribute_tensor, init_device_mesh
-    from shardprop.explain import explain
+    from shardprop.debug.explain import explain
     mesh = init_device_mesh("cpu", mesh_shape)
     problems, kept = [], 0
     for ci, (name, (shape, fn, d)) in enumerate(BACKWARD.items()):

@@ -114,7 +114,7 @@ CASES_2D = ["mm", "addmm_bias1d", "bmm", "dot", "sum_d0", "sum_d02", "mean_even"
 # ------------------------------------------------------------------ check_sharding_rule
 def _check_rules(mesh_shape, names, max_combos):
     """Rank side: per case, the checker's summary and every incorrect / error finding."""
-    from shardprop.check import check_sharding_rule
+    from shardprop.debug.check_rule import check_sharding_rule
 
     mesh = init_device_mesh("cpu", mesh_shape)
     out = {}
@@ -188,7 +188,7 @@ def _close(got, want):
 
 def _run_one(mesh, key, opname, args, kwargs, layouts, inplace_or_out=None):
     """Run one call on DTensors built from ``layouts``; (output placements, moved?, problems)."""
-    from shardprop.explain import explain
+    from shardprop.debug.explain import explain
 
     mesh_shape, coord = tuple(mesh.shape), tuple(mesh.get_coordinate())
     gen = torch.Generator().manual_seed(_seed(key))

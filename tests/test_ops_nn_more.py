@@ -228,5 +228,5 @@ def _sdpa_dropout_on_shards():
 
 
 def test_sdpa_dropout_on_head_shards_equals_single_device():
-    # CPU takes the math path with dropout: its masks come from shardprop.rng, shard by shard.
+    # CPU takes the math path with dropout: its masks come from shardprop.dispatch.random_ops, shard by shard.
     assert all(run_on_ranks(4, _sdpa_dropout_on_shards))

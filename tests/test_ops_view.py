@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shardprop import Partial, Replicate, Shard
-from shardprop.layout import local_shape_and_offset
+from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.ops import dim_maps as dm
 from tests.rankpool import run_on_ranks
 
@@ -248,7 +248,7 @@ def _as_list(y):
 def _sweep(mesh_shape, names):
     """Every case under every layout: mismatches, and (case, in, outs, collectives) records."""
     from shardprop import distribute_tensor, init_device_mesh
-    from shardprop.explain import explain
+    from shardprop.debug.explain import explain
     mesh = init_device_mesh("cpu", mesh_shape)
     problems, records = [], []
     for ci, name in enumerate(names):

@@ -15,8 +15,8 @@ from torch import nn
 from shardprop import (ColwiseParallel, DTensor, PrepareModuleInput, PrepareModuleOutput, Replicate,
                        RowwiseParallel, SequenceParallel, Shard, comm_counter, distribute_module, distribute_tensor,
                        init_device_mesh, parallelize_module)
-from shardprop.dtensor import local_chunk
-from shardprop.parallelize import match_submodules
+from shardprop.tensor.dtensor import local_chunk
+from shardprop.parallel.parallelize import match_submodules
 from tests.rankpool import run_on_ranks
 
 R = Replicate()

@@ -1,4 +1,4 @@
-"""Random ops on DTensors reproduce a single-device run (shardprop.rng).
+"""Random ops on DTensors reproduce a single-device run (shardprop.dispatch.random_ops).
 
 Every case seeds with shardprop.manual_seed, runs the op on the plain full tensor,
 re-seeds, runs it on a DTensor, and compares the gathered result bit for bit

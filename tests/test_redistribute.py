@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from shardprop import (DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh,
                        plan_redistribute)
-from shardprop.dtensor import local_chunk
+from shardprop.tensor.dtensor import local_chunk
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 from tests.rankpool import get_pool, run_on_ranks
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel Llama (shardprop.llama) vs the same model on one process.
+"""Tensor-parallel Llama (shardprop.demo.model) vs the same model on one process.
 
 Every rank builds the single-device model from the same seed and runs it as the
 reference, then the parallelized copy: outputs, losses and gradients must agree
@@ -19,7 +19,7 @@ ATOL, RTOL = 1e-5, 1e-4
 
 
 def _cfg():
-    from shardprop.llama import LlamaConfig
+    from shardprop.demo.model import LlamaConfig
     # 4 heads and a hidden dim of 96: both split over tp=4; vocab 64 too.
     return LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=8)
 
@@ -75,9 +75,9 @@ def _rows(t, dp):
 
 def _block_cases(chk, tp, dp):
     """MLP and attention blocks alone (no sequence parallelism): colwise in, rowwise out."""
-    from shardprop.llama import Attention, FeedForward
-    from shardprop.parallel_styles import ColwiseParallel, RowwiseParallel
-    from shardprop.parallelize import parallelize_module
+    from shardprop.demo.model import Attention, FeedForward
+    from shardprop.parallel.styles import ColwiseParallel, RowwiseParallel
+    from shardprop.parallel.parallelize import parallelize_module
     cfg = _cfg()
     blocks = {
         "mlp": (FeedForward, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}),
@@ -116,14 +116,14 @@ def _sync(model, dp):
     """shardprop's bucketed gradient averaging over dp (a no-op without dp)."""
     if dp is None:
         return _NoSync()
-    from shardprop.data_parallel import replicate_gradients
+    from shardprop.parallel.data_parallel import replicate_gradients
     return replicate_gradients(model, dp)
 
 
 def _model_cases(chk, tp, dp):
     """The whole model: logits, loss and every gradient, dp ranks on their rows of the batch."""
-    from shardprop.llama import Llama, lm_loss, synthetic_batch, tp_plan
-    from shardprop.parallelize import parallelize_module
+    from shardprop.demo.model import Llama, lm_loss, synthetic_batch, tp_plan
+    from shardprop.parallel.parallelize import parallelize_module
     cfg = _cfg()
     ref = Llama(cfg, seed=3)
     model = parallelize_module(Llama(cfg, seed=3), tp, tp_plan())
@@ -148,8 +148,8 @@ def _model_cases(chk, tp, dp):
 
 def _train_cases(chk, tp, dp, steps=5):
     """Parameters after ``steps`` optimizer steps, for SGD and AdamW."""
-    from shardprop.llama import Llama, lm_loss, make_optimizer, synthetic_batch, tp_plan
-    from shardprop.parallelize import parallelize_module
+    from shardprop.demo.model import Llama, lm_loss, make_optimizer, synthetic_batch, tp_plan
+    from shardprop.parallel.parallelize import parallelize_module
     cfg = _cfg()
     for opt_name in ("sgd", "adamw"):
         ref = Llama(cfg, seed=4)
@@ -194,7 +194,7 @@ def test_tp_model_matches_single_device(shape):
 
 
 def _demo(argv):
-    from shardprop import demo
+    from shardprop.demo import train as demo
     return demo.rank_main(demo.parser().parse_args(argv))
 
 

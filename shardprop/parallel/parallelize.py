@@ -1,7 +1,7 @@
 """distribute_module and parallelize_module: lay a model out over a mesh.
 
 ``distribute_module`` is the low-level tool (parameters to DTensors plus input/output
-hooks); ``parallelize_module`` applies tensor-parallel styles (``shardprop.parallel_styles``)
+hooks); ``parallelize_module`` applies tensor-parallel styles (``shardprop.parallel.styles``)
 to submodules chosen by dotted names with ``*`` wildcards.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from torch import nn
 
-from shardprop.dtensor import DTensor
-from shardprop.parallel_styles import ParallelStyle, distribute_params
-from shardprop.placement import Replicate
+from shardprop.parallel.styles import ParallelStyle, distribute_params
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.placement import Replicate
 
 
 def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Callable] = None,
@@ -49,7 +49,7 @@ def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Cal
 
 
 def _replicate_buffers(sub: nn.Module, mesh) -> None:
-    from shardprop.api import distribute_tensor
+    from shardprop.tensor.distribute import distribute_tensor
     for bname, b in list(sub.named_buffers(recurse=False)):
         if b is not None and not isinstance(b, DTensor):
             sub._buffers[bname] = distribute_tensor(b, mesh, [Replicate()] * mesh.ndim)

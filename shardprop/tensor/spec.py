@@ -11,7 +11,7 @@ from typing import NamedTuple, Tuple
 
 import torch
 
-from shardprop.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
 
 
 class TensorMeta(NamedTuple):

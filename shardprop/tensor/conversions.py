@@ -1,4 +1,4 @@
-"""Differentiable conversions: from_local, to_local, redistribute.
+"""Differentiable conversions: from_local, to_local, redistribute, full_tensor (DTensor's methods).
 
 Gradients go back through the inverse layout change. A Partial forward layout
 gets a Replicate gradient (every rank's partial value contributes with slope 1
@@ -7,14 +7,15 @@ to a sum, 1/n to an average); max/min partials have no such rule and say so.
 from __future__ import annotations
 
 import zlib
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardprop import dtensor as _dt
-from shardprop.layout import local_shape_and_offset
-from shardprop.placement import Partial, Replicate, Shard, normalize_placements
-from shardprop.redistribute import redistribute_local
+from shardprop.tensor import dtensor as _dt
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.redistribute import redistribute_local
 
 
 def grad_placements_for(placements):
@@ -161,3 +162,68 @@ def _coords_of(mesh, ranks):
             idx //= s
         out.append(list(reversed(c)))
     return out
+
+
+# ---------------------------------------------------------------- DTensor methods
+def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, *, run_check: bool = False,
+               shape: Optional[Sequence[int]] = None, stride: Optional[Sequence[int]] = None) -> "_dt.DTensor":
+    """Wrap this rank's shard as a DTensor (differentiable).
+
+    Without ``shape``, shards are assumed even; ``run_check=True`` gathers every
+    rank's local shape, derives the global shape (uneven shards included) and
+    raises on every rank if they are inconsistent.
+
+    Example:
+        >>> dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # doctest: +SKIP
+        >>> dt.shape  # 4 ranks  # doctest: +SKIP
+        torch.Size([8, 4])
+    """
+    return FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)
+
+
+def to_local(self, *, grad_placements=None) -> torch.Tensor:
+    """This rank's shard as a plain tensor (differentiable).
+
+    ``grad_placements`` says how the gradient flowing back into the shard is laid out
+    (default: this tensor's placements).
+
+    Example:
+        >>> dt.to_local().shape  # doctest: +SKIP
+    """
+    if not torch.is_grad_enabled() or not self.requires_grad:
+        return self._local_tensor
+    return ToLocal.apply(self, grad_placements)
+
+
+def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False) -> "_dt.DTensor":
+    """The same tensor laid out with ``placements`` (differentiable).
+
+    Example:
+        >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
+    """
+    mesh = self._spec.mesh
+    if device_mesh is not None and device_mesh != mesh:
+        raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
+                         "redistribution happens within one mesh")
+    if placements is None:
+        raise ValueError("redistribute: give the target placements")
+    placements = normalize_placements(placements, self.ndim, mesh.ndim, "redistribute")
+    return Redistribute.apply(self, placements, async_op)
+
+
+def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+    """The whole global tensor on every rank (differentiable).
+
+    Example:
+        >>> dt.full_tensor().shape  # doctest: +SKIP
+    """
+    full = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+    return full.to_local(grad_placements=grad_placements)
+
+
+# Attached here, not defined in dtensor.py: the methods need the autograd functions above, which
+# need the DTensor class; defining them beside the functions keeps imports one way (this -> dtensor).
+_dt.DTensor.from_local = staticmethod(from_local)
+_dt.DTensor.to_local = to_local
+_dt.DTensor.redistribute = redistribute
+_dt.DTensor.full_tensor = full_tensor

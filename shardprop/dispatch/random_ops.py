@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import torch
 
-from shardprop import dispatch as _dispatch
-from shardprop.dtensor import DTensor, local_chunk, make_spec
+from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.mesh import collectives as C
-from shardprop.placement import Partial, Replicate
-from shardprop.redistribute import redistribute_local
+from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
+from shardprop.tensor.placement import Partial, Replicate
+from shardprop.tensor.redistribute import redistribute_local
 
 aten = torch.ops.aten
 
@@ -142,7 +142,7 @@ def _first_dtensor(args, kwargs) -> DTensor:
     for a in list(args) + list((kwargs or {}).values()):
         if isinstance(a, DTensor):
             return a
-    raise TypeError("shardprop.rng: no DTensor argument")
+    raise TypeError("shardprop.dispatch.random_ops: no DTensor argument")
 
 
 # ---------------------------------------------------------------- handlers

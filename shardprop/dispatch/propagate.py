@@ -11,17 +11,40 @@ import functools
 import os
 import time
 import warnings
-from typing import Optional
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from shardprop import registry, stats
-from shardprop.op_schema import COMPLEX, FLOAT, Candidate, OpSchema, OutputSharding, ScalarTensor, _Marker
-from shardprop.placement import Replicate, Shard
-from shardprop.redistribute import local_bytes, plan_redistribute, transition_cost
-from shardprop.spec import DTensorSpec, TensorMeta
+from shardprop.dispatch import registry
+from shardprop.dispatch.op_schema import (
+    COMPLEX,
+    FLOAT,
+    Candidate,
+    OpSchema,
+    OutputSharding,
+    ScalarTensor,
+    _Marker,
+)
+from shardprop.tensor.placement import Replicate, Shard
+from shardprop.tensor.redistribute import (
+    local_bytes,
+    plan_redistribute,
+    transition_cost,
+)
+from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 _fallback_to_replicate = os.environ.get("SHARDPROP_FALLBACK_REPLICATE", "0") == "1"
+
+# Cache-miss counters (the engine's own; shardprop.debug.stats reads them): op -> misses, seconds
+# spent propagating, and misses that succeeded (entries put in the cache).
+misses: Dict[object, int] = defaultdict(int)
+miss_seconds: Dict[object, float] = defaultdict(float)
+inserted: Dict[object, int] = defaultdict(int)
+
+# Callables op -> str that add advice to the no-rule error; set by rooms that can serve such ops
+# (decompose.py adds the decomposition opt-in), so this module never imports them.
+no_rule_hints: List[Callable[[object], str]] = []
 
 
 class ShardingError(RuntimeError):
@@ -246,7 +269,11 @@ def _propagate(schema: OpSchema) -> OutputSharding:
         ok = True
         return out
     finally:
-        stats.record_miss(schema.op, time.perf_counter() - t0, ok)
+        op = schema.op
+        misses[op] += 1
+        miss_seconds[op] += time.perf_counter() - t0
+        if ok:
+            inserted[op] += 1
 
 
 def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
@@ -266,7 +293,7 @@ def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
                 f"{op} has no sharding rule (inputs: {_describe(schema)}). Register one with "
                 f"@shardprop.register_sharding({op}), or set SHARDPROP_FALLBACK_REPLICATE=1 "
                 "(shardprop.set_fallback_to_replicate(True)) to run it on replicated inputs"
-                + _decompose_hint(op) + ".")
+                + "".join(hint(op) for hint in no_rule_hints) + ".")
         warnings.warn(f"shardprop: {op} has no sharding rule; replicating its inputs ({_describe(schema)})")
         options = [(tuple(Replicate() for _ in ctx.specs), tuple(Replicate() for _ in ctx.out_metas))]
         per_dim = True
@@ -305,17 +332,6 @@ def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
                           candidates, registry.LOCAL_CALLS.get(op))
 
 
-def _decompose_hint(op) -> str:
-    """The decomposition opt-in in the no-rule error: suggested where torch has a decomposition."""
-    from shardprop import decompose  # lazy: decompose imports the dispatcher, which imports this module
-    if decompose.decomposition(op) is None:
-        return " (torch has no decomposition of it, so the SHARDPROP_DECOMPOSE=1 opt-in cannot serve it)"
-    if decompose.is_decomposed(op):  # its decomposition runs, yet we are here: it called the op again
-        return f" (torch's decomposition of it calls {op} again, so it cannot serve)"
-    return (", or set SHARDPROP_DECOMPOSE=1 (shardprop.set_decompose_fallback(True)) to run torch's "
-            "decomposition of it through the dispatcher")
-
-
 def _normalize_out(placements, ndim: int, where: str) -> tuple:
     out = []
     for p in placements:
@@ -344,38 +360,14 @@ _cache_size = int(os.environ.get("SHARDPROP_CACHE_SIZE", "65536"))
 propagate = functools.lru_cache(maxsize=_cache_size)(_propagate)
 
 
-def clear_cache() -> None:
-    """Empty the propagation cache (and its statistics).
-
-    Example:
-        >>> shardprop.clear_cache()  # doctest: +SKIP
-    """
-    propagate.cache_clear()
-    stats.reset()
+def reset_miss_counts() -> None:
+    """Zero the cache-miss counters (with the cache, by cache_control.clear_cache)."""
+    misses.clear()
+    miss_seconds.clear()
+    inserted.clear()
 
 
-def set_cache_size(n: int) -> None:
-    """Resize the propagation cache (clears it).
-
-    Example:
-        >>> shardprop.set_cache_size(1 << 20)  # doctest: +SKIP
-    """
-    global propagate
-    propagate = functools.lru_cache(maxsize=n)(_propagate)
-    stats.reset()
-    from shardprop import dispatch
-    dispatch._propagate = propagate
-
-
-def set_fallback_to_replicate(enabled: bool) -> None:
-    """Run ops that have no rule on replicated inputs (with a warning) instead of raising.
-
-    Example:
-        >>> shardprop.set_fallback_to_replicate(True)  # doctest: +SKIP
-    """
+def set_fallback(enabled: bool) -> None:
+    """Whether ops without a rule run replicated (see cache_control.set_fallback_to_replicate)."""
     global _fallback_to_replicate
     _fallback_to_replicate = bool(enabled)
-    clear_cache()
-
-
-registry._listeners.append(lambda: clear_cache())

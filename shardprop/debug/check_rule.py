@@ -42,14 +42,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from shardprop import dispatch as _dispatch
-from shardprop import propagate as _prop
-from shardprop.dtensor import DTensor
-from shardprop.layout import chunk_bounds
-from shardprop.op_schema import OpSchema
-from shardprop.placement import Partial, Placement, Replicate, Shard
+from shardprop.debug.check_layouts import (
+    correct_layouts,
+    local_input,
+    map_tensors,
+    perturbed,
+    placement_options,
+    seeded,
+)
+from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch import propagate as _prop
+from shardprop.dispatch.op_schema import OpSchema
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.placement import Placement
 
-REDUCTIONS = ("sum", "avg", "max", "min")
 _BATCH = 64  # combinations per all-gather of local results
 
 
@@ -196,171 +202,6 @@ def _fmt_outputs(outs) -> str:
     return _fmt_layout(outs[0]) if len(outs) == 1 else "(" + ", ".join(_fmt_layout(o) for o in outs) + ")"
 
 
-# ---------------------------------------------------------------- sample handling
-def _map_tensors(obj, fn):
-    """Rebuild args with every tensor leaf replaced by ``fn(tensor)`` (in argument order)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(x, fn) for x in obj)
-    return obj
-
-
-def _seeded(*key) -> torch.Generator:
-    """A generator seeded from ``key`` the same way on every rank (crc32, never hash())."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _perturbed(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A non-round variant of ``t`` (same shape, strides, dtype) with both signs unless ``t`` has one."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return t.detach().clone()
-    mag = torch.rand(t.shape, generator=gen, dtype=torch.float64) * 1.37 + 0.37
-    sign = torch.where(torch.rand(t.shape, generator=gen) < 0.5, -1.0, 1.0).to(torch.float64)
-    if bool((t >= 0).all()):
-        sign = sign.abs()
-    elif bool((t <= 0).all()):
-        sign = -sign.abs()
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return out.copy_((mag * sign).to(t.dtype))
-
-
-def _placement_options(t: torch.Tensor) -> List[Placement]:
-    """Per-mesh-dim placements worth trying for one argument (Partial only for floating values)."""
-    opts: List[Placement] = [Replicate()] + [Shard(d) for d in range(t.ndim)]
-    if t.is_floating_point():
-        opts += [Partial(r) for r in REDUCTIONS]
-    return opts
-
-
-def _split_partial(value: torch.Tensor, reduce_op: str, k: int, gen: torch.Generator) -> List[torch.Tensor]:
-    """``k`` values whose ``reduce_op`` reduction is ``value`` (and that are not all equal)."""
-    if k == 1:
-        return [value]
-    work = value.to(torch.float64)
-    scale = float(work.abs().mean()) + 0.5 if work.numel() else 1.0
-
-    def noise():
-        return torch.randn(value.shape, generator=gen, dtype=torch.float64) * scale
-
-    if reduce_op == "sum":
-        parts = [noise() for _ in range(k - 1)]
-        parts.append(work - sum(parts))
-    elif reduce_op == "avg":
-        r = [noise() for _ in range(k)]
-        mean = sum(r) / k
-        parts = [work + x - mean for x in r]
-    else:  # max/min: the true value on one rank per element (not always the same one)
-        # The others are smaller (larger) by 10-50% of the value, so they keep its sign: an op with
-        # a domain (log) still runs on them, and a clipping op (relu) does not zero them, which
-        # would make a sum of the results equal their max by accident.
-        owner = torch.randint(k, value.shape, generator=gen)
-        sign = -1.0 if reduce_op == "max" else 1.0
-
-        def other():
-            u = torch.rand(value.shape, generator=gen, dtype=torch.float64)
-            return work + sign * (work.abs() * (0.1 + 0.4 * u) + 1e-3 * scale)
-
-        parts = [torch.where(owner == i, work, other()) for i in range(k)]
-    return [p.to(value.dtype) for p in parts]
-
-
-def _local_input(full: torch.Tensor, layout, mesh_shape, coord, key) -> torch.Tensor:
-    """This coordinate's piece of ``full`` laid out as ``layout`` (outermost mesh dim first)."""
-    value = full
-    for m, p in enumerate(layout):
-        if type(p) is Shard:
-            off, ln = chunk_bounds(value.shape[p.dim], mesh_shape[m], coord[m])
-            value = value.narrow(p.dim, off, ln)
-        elif type(p) is Partial:
-            # Every rank sharing coord[:m] builds the same parts: the seed depends only on it.
-            parts = _split_partial(value, p.reduce_op, mesh_shape[m], _seeded(key, m, tuple(coord[:m])))
-            value = parts[coord[m]]
-    return value.contiguous().clone()
-
-
-# ---------------------------------------------------------------- global value of a layout
-def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True))
-    return bool(torch.equal(a, b))
-
-
-def _combine(group: List[torch.Tensor], p: Placement, atol: float, rtol: float) -> Optional[torch.Tensor]:
-    """The value ``group`` (one piece per index along a mesh dim) stands for under ``p``, or None."""
-    first = group[0]
-    if type(p) is Shard:
-        d = p.dim
-        if any(g.ndim <= d or g.ndim != first.ndim for g in group):
-            return None
-        if any(g.shape[:d] != first.shape[:d] or g.shape[d + 1:] != first.shape[d + 1:] for g in group):
-            return None
-        total = sum(g.shape[d] for g in group)
-        if any(g.shape[d] != chunk_bounds(total, len(group), i)[1] for i, g in enumerate(group)):
-            return None  # not torch.chunk order: the spec would put the data elsewhere
-        return torch.cat(group, d)
-    if any(g.shape != first.shape or g.dtype != first.dtype for g in group):
-        return None
-    if type(p) is Replicate:
-        return first if all(_close(g, first, atol, rtol) for g in group[1:]) else None
-    stacked = torch.stack(group)
-    if p.reduce_op == "sum":
-        return stacked.sum(0)
-    if p.reduce_op == "avg":
-        return stacked.mean(0)
-    return stacked.amax(0) if p.reduce_op == "max" else stacked.amin(0)
-
-
-def _output_options(ref: torch.Tensor) -> List[Placement]:
-    """Per-mesh-dim placements an output could have (Partial only for floating values)."""
-    per_dim: List[Placement] = [Replicate()] + [Shard(d) for d in range(ref.ndim)]
-    if ref.is_floating_point():
-        per_dim += [Partial(r) for r in REDUCTIONS]
-    return per_dim
-
-
-def _correct_layouts(pieces, ref, mesh_shape, atol, rtol, only=None,
-                     first_only=False) -> Tuple[Tuple[Placement, ...], ...]:
-    """Every output layout (or just ``only``) under which ``pieces`` form ``ref``, simplest first.
-
-    Mesh dims are combined innermost first and a placement that cannot combine a mesh
-    dim's pieces is dropped before any outer dim is tried, so few of the n**ndim
-    layouts are ever built.
-    """
-    options = _output_options(ref)
-    found = []
-
-    def combine(group, p):
-        try:
-            return _combine(group, p, atol, rtol)
-        except Exception:  # pieces that cannot be combined this way (dtype, shape): not this layout
-            return None
-
-    def walk(m, level, suffix) -> bool:
-        if m < 0:
-            if _close(level[()], ref, atol, rtol):
-                found.append(suffix)
-                return first_only
-            return False
-        for p in ([only[m]] if only is not None else options):
-            nxt = {}
-            for prefix in itertools.product(*(range(s) for s in mesh_shape[:m])):
-                v = combine([level[prefix + (i,)] for i in range(mesh_shape[m])], p)
-                if v is None:
-                    break
-                nxt[prefix] = v
-            else:
-                if walk(m - 1, nxt, (p,) + suffix):
-                    return True
-        return False
-
-    walk(len(mesh_shape) - 1, pieces, ())
-    rank = {p: i for i, p in enumerate(options)}
-    return tuple(sorted(found, key=lambda layout: [rank.get(p, 0) for p in layout]))
-
-
 # ---------------------------------------------------------------- enumeration
 def _select(n: int, cap: Optional[int], rng: random.Random) -> List[int]:
     """Indices of the items to keep: all, or a deterministic sample of ``cap`` in order.
@@ -437,8 +278,8 @@ def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
         i = next(it)
         return DTensor.from_local(local_of(i, combo[i]), mesh, combo[i], shape=t.shape, stride=t.stride())
 
-    dt_args = _map_tensors(sample_args, to_dtensor)
-    dt_kwargs = {k: _map_tensors(v, to_dtensor) for k, v in sample_kwargs.items()}
+    dt_args = map_tensors(sample_args, to_dtensor)
+    dt_kwargs = {k: map_tensors(v, to_dtensor) for k, v in sample_kwargs.items()}
     try:
         sharding = _prop._propagate_uncounted(_build_schema(op, dt_args, dt_kwargs))
         kind = "redistributed" if sharding.needs_redistribute else "accepted"
@@ -454,8 +295,8 @@ def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
             placements = tuple(r._spec.placements if isinstance(r, DTensor) else None for r in res)
         else:  # what running on the shards as they are would give
             unwrap = lambda a: a._local_tensor if isinstance(a, DTensor) else a  # noqa: E731
-            outs = _flat_outputs(op(*_map_tensors(dt_args, unwrap),
-                                    **{k: _map_tensors(v, unwrap) for k, v in dt_kwargs.items()}))
+            outs = _flat_outputs(op(*map_tensors(dt_args, unwrap),
+                                    **{k: map_tensors(v, unwrap) for k, v in dt_kwargs.items()}))
         payload = ("ok", [_pack(o) for o in outs])
     except Exception as e:
         payload = ("err", f"{type(e).__name__}: {e}")
@@ -522,17 +363,17 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     # The sample (perturbed the same way on every rank) and the reference result.
     counter = itertools.count()
     if perturb:
-        fix = lambda t: _perturbed(t, _seeded(seed, "sample", next(counter)))  # noqa: E731
+        fix = lambda t: perturbed(t, seeded(seed, "sample", next(counter)))  # noqa: E731
     else:
         fix = lambda t: t.detach().clone()  # noqa: E731
-    sample_args = _map_tensors(tuple(sample_args), fix)
-    sample_kwargs = {k: _map_tensors(v, fix) for k, v in sample_kwargs.items()}
+    sample_args = map_tensors(tuple(sample_args), fix)
+    sample_kwargs = {k: map_tensors(v, fix) for k, v in sample_kwargs.items()}
     slots = [t for t in _leaves((sample_args, sample_kwargs)) if _is_slot(t)]
     if not slots:
         raise ValueError("check_sharding_rule: the sample has no tensor argument with a dim to distribute")
     clone = lambda t: t.clone()  # noqa: E731  (in-place ops must not change the sample)
-    refs = _flat_outputs(op(*_map_tensors(sample_args, clone),
-                            **{k: _map_tensors(v, clone) for k, v in sample_kwargs.items()}))
+    refs = _flat_outputs(op(*map_tensors(sample_args, clone),
+                            **{k: map_tensors(v, clone) for k, v in sample_kwargs.items()}))
 
     names = _slot_names(sample_args, sample_kwargs)
     if input_layouts is not None:
@@ -551,7 +392,7 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     def local_of(i, layout):
         k = (i, layout)
         if k not in cache:
-            cache[k] = _local_input(slots[i], layout, mesh_shape, coord, (seed, "arg", i, layout))
+            cache[k] = local_input(slots[i], layout, mesh_shape, coord, (seed, "arg", i, layout))
         return cache[k].clone()
 
     report = RuleReport(op, mesh_shape, names, total, len(combos), notes=notes)
@@ -572,7 +413,7 @@ def _plan_combos(slots, names, mesh_ndim, max_per_arg, max_combos, seed):
     rng = random.Random(seed)  # seeded by an int: the same sequence on every rank and run
     notes, layouts = [], []
     for i, t in enumerate(slots):
-        every = list(itertools.product(_placement_options(t), repeat=mesh_ndim))
+        every = list(itertools.product(placement_options(t), repeat=mesh_ndim))
         keep = _select(len(every), max_per_arg, rng)
         if len(keep) < len(every):
             notes.append(f"note: argument {names[i]}: {len(keep)} of {len(every)} layouts tried "
@@ -587,7 +428,7 @@ def _plan_combos(slots, names, mesh_ndim, max_per_arg, max_combos, seed):
 
 def _check_same_sample(args, kwargs, group) -> None:
     """Raise on every rank if the ranks were given different samples (the check would be meaningless)."""
-    h = zlib.crc32(repr(_map_tensors((args, tuple(kwargs.items())), lambda t: (t.dtype, tuple(t.shape)))).encode())
+    h = zlib.crc32(repr(map_tensors((args, tuple(kwargs.items())), lambda t: (t.dtype, tuple(t.shape)))).encode())
     for t in _leaves((args, kwargs)):
         h = zlib.crc32(_pack(t)[2], h)
     hashes = [None] * dist.get_world_size(group)
@@ -618,7 +459,7 @@ def _classify(report, combo, info, per_rank, refs, mesh_shape, atol, rtol, in_pl
     def correct(o, only=None, first_only=False):
         if not isinstance(refs[o], torch.Tensor):
             return ((),)  # a non-tensor output: nothing to place
-        return _correct_layouts(pieces[o], refs[o], mesh_shape, atol, rtol, only, first_only)
+        return correct_layouts(pieces[o], refs[o], mesh_shape, atol, rtol, only, first_only)
 
     if kind == "accepted":
         outs = tuple(placements)

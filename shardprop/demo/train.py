@@ -6,7 +6,7 @@
 
 Spawns CPU ranks (gloo on 127.0.0.1) unless started by torchrun; with two or more
 GPUs it uses CUDA/NCCL. On a ``("dp", "tp")`` mesh the model is parallelized over
-``tp`` with :func:`shardprop.llama.tp_plan`, each dp rank trains on its rows of
+``tp`` with :func:`shardprop.demo.model.tp_plan`, each dp rank trains on its rows of
 the same synthetic batch, and gradients are averaged over ``dp`` with bucketed
 all-reduces. Every step prints the loss and the collectives this rank issued;
 the end prints the cache statistics and compares every loss with a one-process run
@@ -25,7 +25,15 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from shardprop.llama import Llama, LlamaConfig, lm_loss, make_optimizer, reference_losses, synthetic_batch, tp_plan
+from shardprop.demo.model import (
+    Llama,
+    LlamaConfig,
+    lm_loss,
+    make_optimizer,
+    reference_losses,
+    synthetic_batch,
+    tp_plan,
+)
 
 RTOL = 1e-4
 
@@ -70,7 +78,7 @@ def _fmt_counts(counts) -> str:
 
 def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False):
     """The model parallelized over ``mesh["tp"]`` (or a 1-d tp mesh), from the seeded single-process init."""
-    from shardprop.parallelize import parallelize_module
+    from shardprop import parallelize_module
     tp = mesh["tp"] if mesh.ndim == 2 else mesh
     model = Llama(cfg, seed).to(mesh.device_type)
     return parallelize_module(model, tp, tp_plan(loss_parallel=loss_parallel))
@@ -78,8 +86,7 @@ def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False):
 
 def train(args, mesh, say=print):
     """Train on this rank; returns (losses averaged over dp, per-step collective counts, seconds per step)."""
-    from shardprop import comm_counter, loss_parallel
-    from shardprop.data_parallel import replicate_gradients
+    from shardprop import comm_counter, loss_parallel, replicate_gradients
     from shardprop.mesh.collectives import all_reduce
     cfg = config_from(args)
     device = mesh.device_type

@@ -23,12 +23,12 @@ import contextlib
 
 import torch
 
-from shardprop import dispatch as _dispatch
-from shardprop.dtensor import DTensor, local_chunk, make_spec
-from shardprop.layout import local_shape_and_offset
+from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.mesh import collectives as C
-from shardprop.placement import Partial, Replicate, Shard
-from shardprop.redistribute import redistribute_local
+from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate, Shard
+from shardprop.tensor.redistribute import redistribute_local
 
 aten = torch.ops.aten
 R = Replicate()

@@ -5,10 +5,10 @@ from typing import Optional
 
 import torch
 
-from shardprop.dtensor import DTensor, local_chunk, make_spec
-from shardprop.layout import chunk_bounds
 from shardprop.mesh import collectives as C
-from shardprop.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
+from shardprop.tensor.layout import chunk_bounds
+from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src_data_rank: Optional[int] = 0) -> DTensor:

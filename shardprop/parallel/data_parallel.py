@@ -35,11 +35,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from shardprop.dtensor import DTensor
-from shardprop.layout import chunk_bounds
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
-from shardprop.placement import Partial, Replicate
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.layout import chunk_bounds
+from shardprop.tensor.placement import Partial, Replicate
 
 MiB = 1024 * 1024
 DEFAULT_SIZE_LIMITS = (1 * MiB, 25 * MiB)

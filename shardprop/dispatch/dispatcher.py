@@ -11,10 +11,10 @@ import weakref
 
 import torch
 
-from shardprop import dtensor as _dt
-from shardprop import propagate as _prop
-from shardprop.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
-from shardprop.redistribute import run_plan
+from shardprop.dispatch import propagate as _prop
+from shardprop.dispatch.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
+from shardprop.tensor import dtensor as _dt
+from shardprop.tensor.redistribute import run_plan
 
 DTensor = _dt.DTensor
 _Tensor = torch.Tensor
@@ -30,7 +30,7 @@ SPECIAL = {}
 # (OpOverload hashes in Python; hashing it once here saves that on every call).
 _OPS = {}
 
-# Set by shardprop.explain while a recorder or an explicit() guard is active.
+# Set by shardprop.debug.explain (a tool; the engine never imports it) while a recorder or an explicit() guard is active.
 recorder = None
 explicit_mode = None
 
@@ -259,8 +259,8 @@ def _replicate_plain_indices(args, kwargs):
         >>> _replicate_plain_indices((x, [torch.tensor([1, 2])]), None)  # x a DTensor  # doctest: +SKIP
         ((x, [DTensor(... placements=[R])]), None)
     """
-    from shardprop.dtensor import make_spec
-    from shardprop.placement import Replicate
+    from shardprop.tensor.dtensor import make_spec
+    from shardprop.tensor.placement import Replicate
     mesh = _first_mesh((args, kwargs))
 
     def conv(a):

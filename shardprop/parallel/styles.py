@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from shardprop.dtensor import DTensor
-from shardprop.placement import Placement, Replicate, Shard, normalize_placements
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
 
 R = Replicate()
 
@@ -78,7 +78,7 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
     Example:
         >>> distribute_params(linear, mesh, {"weight": Shard(0), "bias": Shard(0)}.get)  # doctest: +SKIP
     """
-    from shardprop.api import distribute_tensor
+    from shardprop.tensor.distribute import distribute_tensor
     for name, p in list(module.named_parameters(recurse=False)):
         if p is None or isinstance(p, DTensor):
             continue

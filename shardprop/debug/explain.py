@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import List
 
-from shardprop import dispatch as _dispatch
+from shardprop.dispatch import dispatcher as _dispatch
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
-from shardprop.placement import Shard
+from shardprop.tensor.placement import Shard
 
 
 def chunk_bounds(size: int, parts: int, index: int) -> Tuple[int, int]:

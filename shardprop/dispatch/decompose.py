@@ -3,7 +3,7 @@
 torch ships Python decompositions (``torch._decomp.decomposition_table``) and
 CompositeImplicitAutograd kernels (``op.decompose``) that express an op with
 simpler aten ops. Running one on DTensor arguments sends each sub-op back through
-``shardprop.dispatch``, so an op with no rule works whenever its pieces have rules,
+``shardprop.dispatch.dispatcher``, so an op with no rule works whenever its pieces have rules,
 and every piece is placed by its own rule (no blanket replication).
 
 Two ways in:
@@ -27,7 +27,8 @@ import threading
 
 import torch
 
-from shardprop import dispatch, registry
+from shardprop.dispatch import dispatcher as dispatch
+from shardprop.dispatch import propagate, registry
 
 aten = torch.ops.aten
 
@@ -185,5 +186,21 @@ def is_decomposed(op) -> bool:
     return dispatch.SPECIAL.get(op) is _handler and registry.lookup(op) is None
 
 
+def no_rule_hint(op) -> str:
+    """The decomposition opt-in for the no-rule error (a ``propagate.no_rule_hints`` hook).
+
+    Example:
+        >>> no_rule_hint(torch.ops.aten.mm.default)  # doctest: +SKIP
+        ' (torch has no decomposition of it, so the SHARDPROP_DECOMPOSE=1 opt-in cannot serve it)'
+    """
+    if decomposition(op) is None:
+        return " (torch has no decomposition of it, so the SHARDPROP_DECOMPOSE=1 opt-in cannot serve it)"
+    if is_decomposed(op):  # its decomposition runs, yet we are here: it called the op again
+        return f" (torch's decomposition of it calls {op} again, so it cannot serve)"
+    return (", or set SHARDPROP_DECOMPOSE=1 (shardprop.set_decompose_fallback(True)) to run torch's "
+            "decomposition of it through the dispatcher")
+
+
 _sync()
 registry._listeners.append(_sync)
+propagate.no_rule_hints.append(no_rule_hint)

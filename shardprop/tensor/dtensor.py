@@ -2,17 +2,14 @@
 
 Shape, stride, dtype, device and requires_grad of the wrapper are the global
 ones; ``_local_tensor`` holds this rank's shard. Every aten op on it goes through
-``shardprop.dispatch``.
+``shardprop.dispatch.dispatcher``.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 import torch
 
-from shardprop.layout import local_shape_and_offset
-from shardprop.placement import Replicate, normalize_placements
-from shardprop.spec import DTensorSpec, TensorMeta
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -80,61 +77,8 @@ class DTensor(torch.Tensor):
         """The DeviceMesh this tensor lives on."""
         return self._spec.mesh
 
-    @staticmethod
-    def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, *, run_check: bool = False,
-                   shape: Optional[Sequence[int]] = None, stride: Optional[Sequence[int]] = None) -> "DTensor":
-        """Wrap this rank's shard as a DTensor (differentiable).
-
-        Without ``shape``, shards are assumed even; ``run_check=True`` gathers every
-        rank's local shape, derives the global shape (uneven shards included) and
-        raises on every rank if they are inconsistent.
-
-        Example:
-            >>> dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # doctest: +SKIP
-            >>> dt.shape  # 4 ranks  # doctest: +SKIP
-            torch.Size([8, 4])
-        """
-        from shardprop import autograd_fns
-        return autograd_fns.FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)
-
-    def to_local(self, *, grad_placements=None) -> torch.Tensor:
-        """This rank's shard as a plain tensor (differentiable).
-
-        ``grad_placements`` says how the gradient flowing back into the shard is laid out
-        (default: this tensor's placements).
-
-        Example:
-            >>> dt.to_local().shape  # doctest: +SKIP
-        """
-        if not torch.is_grad_enabled() or not self.requires_grad:
-            return self._local_tensor
-        from shardprop import autograd_fns
-        return autograd_fns.ToLocal.apply(self, grad_placements)
-
-    def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False) -> "DTensor":
-        """The same tensor laid out with ``placements`` (differentiable).
-
-        Example:
-            >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
-        """
-        from shardprop import autograd_fns
-        mesh = self._spec.mesh
-        if device_mesh is not None and device_mesh != mesh:
-            raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
-                             "redistribution happens within one mesh")
-        if placements is None:
-            raise ValueError("redistribute: give the target placements")
-        placements = normalize_placements(placements, self.ndim, mesh.ndim, "redistribute")
-        return autograd_fns.Redistribute.apply(self, placements, async_op)
-
-    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
-        """The whole global tensor on every rank (differentiable).
-
-        Example:
-            >>> dt.full_tensor().shape  # doctest: +SKIP
-        """
-        full = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
-        return full.to_local(grad_placements=grad_placements)
+    # from_local, to_local, redistribute and full_tensor are differentiable: they are attached by
+    # shardprop.tensor.conversions, beside the autograd functions they call.
 
 
 def make_spec(mesh, placements, shape, stride=None, dtype=torch.float32) -> DTensorSpec:

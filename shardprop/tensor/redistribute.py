@@ -24,11 +24,11 @@ from typing import List, Tuple
 
 import torch
 
-from shardprop.layout import chunk_bounds, is_even, local_shape_and_offset
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
-from shardprop.placement import Partial, Placement, Replicate, Shard
-from shardprop.spec import DTensorSpec
+from shardprop.tensor.layout import chunk_bounds, is_even, local_shape_and_offset
+from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.spec import DTensorSpec
 
 # Relative cost per byte each rank moves, by collective (ring algorithms);
 # LATENCY is a fixed cost per collective, in byte-equivalents.

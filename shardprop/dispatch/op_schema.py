@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from shardprop.spec import DTensorSpec
+from shardprop.tensor.spec import DTensorSpec
 
 
 class _Marker:

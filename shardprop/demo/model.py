@@ -204,9 +204,8 @@ def tp_plan(P=None, *, loss_parallel: bool = False) -> dict:
 
 def shardprop_styles() -> SimpleNamespace:
     """shardprop's styles and placements under the names :func:`tp_plan` uses."""
-    from shardprop import parallel_styles as ps
-    from shardprop.placement import Replicate, Shard
-    return SimpleNamespace(Shard=Shard, Replicate=Replicate, ColwiseParallel=ps.ColwiseParallel,
+    import shardprop as ps
+    return SimpleNamespace(Shard=ps.Shard, Replicate=ps.Replicate, ColwiseParallel=ps.ColwiseParallel,
                            RowwiseParallel=ps.RowwiseParallel, SequenceParallel=ps.SequenceParallel,
                            PrepareModuleInput=ps.PrepareModuleInput)
 

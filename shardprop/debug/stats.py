@@ -1,33 +1,16 @@
 """Cache statistics: per-op calls, misses and time spent propagating.
 
-The hot path adds one counter increment per call; misses are counted where they
-are computed, so hits are calls minus misses.
+The hot path adds one counter increment per call (``dispatcher.call_counts``); misses are
+counted where they are computed (``propagate.misses``), so hits are calls minus misses.
+This module only reads those counters: the engine never imports it.
 """
 from __future__ import annotations
 
 import atexit
 import os
-from collections import defaultdict
-from typing import Dict, List
+from typing import List
 
-_misses: Dict[object, int] = defaultdict(int)
-_miss_time: Dict[object, float] = defaultdict(float)
-_inserted: Dict[object, int] = defaultdict(int)  # misses that succeeded, i.e. cache entries made
-
-
-def record_miss(op, seconds: float, cached: bool) -> None:
-    _misses[op] += 1
-    _miss_time[op] += seconds
-    if cached:
-        _inserted[op] += 1
-
-
-def reset() -> None:
-    from shardprop import dispatch
-    dispatch.reset_counts()
-    _misses.clear()
-    _inserted.clear()
-    _miss_time.clear()
+from shardprop.dispatch import dispatcher, propagate
 
 
 def cache_stats() -> List[dict]:
@@ -39,21 +22,21 @@ def cache_stats() -> List[dict]:
         >>> shardprop.cache_stats()[0]["op"]  # doctest: +SKIP
         'aten.mm.default'
     """
-    from shardprop import dispatch, propagate
-    calls = dispatch.call_counts()
+    calls = dispatcher.call_counts()
     live = propagate.propagate.cache_info().currsize
-    inserted = sum(_inserted.values())
+    inserted = sum(propagate.inserted.values())
     # Exact unless the cache evicted entries; then each op's share of the live ones.
     scale = 1.0 if inserted <= live else live / inserted
     rows = []
-    for op in set(calls) | set(_misses):
-        c = max(calls.get(op, 0), _misses.get(op, 0))
-        m = _misses.get(op, 0)
+    misses = propagate.misses
+    for op in set(calls) | set(misses):
+        c = max(calls.get(op, 0), misses.get(op, 0))
+        m = misses.get(op, 0)
         rows.append({
             "op": str(op), "calls": c, "hits": c - m, "misses": m,
             "hit_rate": (c - m) / c if c else 0.0,
-            "live_entries": round(_inserted.get(op, 0) * scale),
-            "prop_ms": _miss_time.get(op, 0.0) * 1e3,
+            "live_entries": round(propagate.inserted.get(op, 0) * scale),
+            "prop_ms": propagate.miss_seconds.get(op, 0.0) * 1e3,
         })
     rows.sort(key=lambda r: (-r["calls"], r["op"]))
     return rows
@@ -88,7 +71,7 @@ def _print_at_exit() -> None:
             return
     except Exception:
         pass
-    if _misses:
+    if propagate.misses:
         print_cache_stats()
 
 

@@ -1,0 +1,6 @@
+"""How an aten op on DTensors runs: the dispatcher (the hot path), op schemas, cached sharding
+propagation, the rule registry, decomposition of rule-less ops, random ops, and cache control.
+
+Imports ``shardprop.tensor`` and ``shardprop.mesh``; tools observe it through hooks it calls
+(``dispatcher.recorder``, ``propagate.no_rule_hints``), never by being imported here.
+"""

@@ -1,0 +1,169 @@
+"""The package layout: rooms import only downward, no import cycles, no oversized modules.
+
+Imports are read from the source (``ast``), counting those inside functions, so a lazy
+import cannot hide a cycle. Rooms and what each may import are the table in DESIGN.md.
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Source folder -> import name (ops/ and mesh/ install as shardprop.ops / shardprop.mesh).
+FOLDERS = {"shardprop": "shardprop", "ops": "shardprop.ops", "mesh": "shardprop.mesh"}
+# Room -> rooms it may import (besides itself). "shardprop" is the package's public API.
+ALLOWED = {
+    "shardprop.mesh": set(),
+    "shardprop.tensor": {"shardprop.mesh"},
+    "shardprop.dispatch": {"shardprop.tensor", "shardprop.mesh"},
+    "shardprop.ops": {"shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
+    "shardprop.parallel": {"shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
+    "shardprop.checkpoint": {"shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
+    "shardprop.debug": {"shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
+    "shardprop.demo": {"shardprop", "shardprop.mesh"},
+}
+MAX_LINES = 600
+
+
+def _modules():
+    """Import name -> source path of every product module."""
+    out = {}
+    for folder, name in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([name] + parts)] = path
+    return out
+
+
+def _resolve(name, mods):
+    """The longest product module that ``name`` (a dotted import target) names or lies in."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph():
+    """Module -> set of product modules it imports (anywhere in its source)."""
+    mods = _modules()
+    graph = {}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = mod if is_pkg else mod.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        pkg = pkg.rpartition(".")[0]
+                    base = f"{pkg}.{base}" if base else pkg
+                # `from pkg import sub` names the submodule when there is one.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                r = _resolve(t, mods)
+                if r is not None and r != mod:
+                    deps.add(r)
+        graph[mod] = deps
+    return graph
+
+
+def find_cycles(graph):
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, comps = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def room_of(mod):
+    """The room a module belongs to: ``shardprop.<room>`` (or the package itself)."""
+    for room in sorted(ALLOWED, key=len, reverse=True):
+        if mod == room or mod.startswith(room + "."):
+            return room
+    return "shardprop"
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, f"import cycles (imports inside functions count): {cycles}"
+
+
+def test_rooms_import_only_what_the_design_allows():
+    bad = []
+    for mod, deps in import_graph().items():
+        room = room_of(mod)
+        if room == "shardprop":  # the package's __init__: the public API gathers everything
+            continue
+        for d in deps:
+            droom = room_of(d)
+            if droom != room and droom not in ALLOWED[room]:
+                bad.append(f"{mod} imports {d} ({room} may import {sorted(ALLOWED[room]) or 'nothing of shardprop'})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_over_the_size_limit():
+    big = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_every_room_is_a_package_with_a_docstring():
+    for room in ALLOWED:
+        folder = ROOT / ("mesh" if room == "shardprop.mesh" else "ops" if room == "shardprop.ops"
+                         else "shardprop/" + room.split(".")[1])
+        init = folder / "__init__.py"
+        assert init.exists(), f"{room} has no __init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing of what the room holds"
+
+
+def test_the_checker_sees_a_cycle_and_a_lazy_import():
+    # The checks themselves must be able to fail.
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = import_graph()
+    assert "shardprop.tensor.dtensor" in graph["shardprop.tensor.conversions"]
+    # a function-level import is counted: dispatcher's _replicate_plain_indices imports tensor.dtensor lazily
+    src = (ROOT / "shardprop/dispatch/dispatcher.py").read_text()
+    if "    from shardprop.tensor.dtensor import make_spec" in src:
+        assert "shardprop.tensor.dtensor" in graph["shardprop.dispatch.dispatcher"]
+    assert room_of("shardprop.debug.stats") == "shardprop.debug"
+
+
+@pytest.mark.parametrize("name", [
+    "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "ShardingError",
+    "distribute_tensor", "init_device_mesh", "plan_redistribute", "register_sharding", "unregister_sharding",
+    "cache_stats", "print_cache_stats", "clear_cache", "set_cache_size", "set_fallback_to_replicate",
+    "explain", "explicit", "check_sharding_rule", "set_decompose_fallback", "parallelize_module",
+    "distribute_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+    "PrepareModuleOutput", "loss_parallel", "comm_counter", "manual_seed", "replicate_gradients",
+    "compute_bucket_assignment_by_size"])
+def test_public_names_stay(name):
+    import shardprop
+    assert hasattr(shardprop, name), f"shardprop.{name} is gone"
+    assert name in shardprop.__all__
