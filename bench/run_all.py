@@ -28,6 +28,7 @@ BENCHMARKS = {
     "redistribute": "redistribute.py",
     "dispatch": "dispatch.py",
     "tp": "tp.py",
+    "dispatch_census": "dispatch_census.py",
 }
 
 
