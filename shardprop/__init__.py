@@ -20,6 +20,7 @@ from shardprop.parallel.loss_parallel import loss_parallel  # noqa: E402
 from shardprop.mesh.collectives import CommCounter, comm_counter  # noqa: E402
 from shardprop.dispatch.random_ops import manual_seed  # noqa: E402  (also registers the random-op handlers)
 from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
+import shardprop.checkpoint  # noqa: F401,E402  (DCP protocol, cross-mesh moves)
 
 __all__ = [
     "distribute_module", "parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
