@@ -19,6 +19,9 @@ the backward raises: the ranks that only sent would never run it, so it cannot b
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
 import torch
 import torch.distributed as dist
 
@@ -69,18 +72,45 @@ def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
             C._count("send", buf)
             ops.append(dist.P2POp(dist.isend, buf, t.dst, tag=tag))
         elif t.dst == me:
-            buf = torch.empty(t.box[1], dtype=dtype, device=device)
+            view = narrow(out, relative(t.box, mine_dst))
+            direct = view.is_contiguous()  # receive in place when the piece is one run of memory
+            buf = view if direct else torch.empty(t.box[1], dtype=dtype, device=device)
             ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=tag))
-            received.append((t, buf))
+            if not direct:
+                received.append((view, buf))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    for t, buf in received:
-        narrow(out, relative(t.box, mine_dst)).copy_(buf)
+    for view, buf in received:
+        view.copy_(buf)
     if in_dst and tuple(dst_placements) != target:  # Replicate -> Partial is local
         spec = make_spec(dst_mesh, target, shape, None, dtype)
         out = redistribute_local(out, spec, tuple(dst_placements))
     return out
+
+
+@dataclass(frozen=True)
+class RankList:
+    """A 1-d target made of plain global ranks, with no process groups (point-to-point needs none).
+
+    Enough of a mesh for :func:`move_local` and :func:`chunks.plan_transfers` (a Replicate or Shard
+    target): ``RankList.of([0], "cpu")`` is "rank 0 alone", the target of a gather to one rank.
+    """
+
+    device_type: str
+    _flat: Tuple[int, ...]
+    _coord: Optional[Tuple[int]]
+
+    @property
+    def shape(self) -> Tuple[int]:
+        return (len(self._flat),)
+
+    @staticmethod
+    def of(ranks, device_type: str) -> "RankList":
+        """The ranks ``ranks`` (global), seen from this rank."""
+        ranks = tuple(int(r) for r in ranks)
+        me = dist.get_rank()
+        return RankList(device_type, ranks, (ranks.index(me),) if me in ranks else None)
 
 
 def _device_of(mesh) -> torch.device:

@@ -33,6 +33,7 @@ from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Partial, Replicate
 from shardprop.tensor.redistribute import redistribute_local
+from shardprop.tensor.spec import DTensorSpec
 
 
 def _box(dt: DTensor):
@@ -73,7 +74,7 @@ def create_write_items(self: DTensor, fqn: str, obj=None) -> list:
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
             properties=TensorProperties.create_from_tensor(local),
-            size=self.size()),
+            size=self._spec.shape),
     )]
 
 
@@ -108,6 +109,13 @@ def get_tensor_shard(self: DTensor, index) -> torch.Tensor:
     return value if value is not None else wait_all(self._local_tensor)
 
 
+def _spec_deepcopy(self, memo):
+    return self  # immutable and interned: a copy is the spec itself
+
+
+# dcp.async_save's stager deep-copies a tensor's attributes; a spec must not copy its mesh's groups.
+if "__deepcopy__" not in DTensorSpec.__dict__:
+    DTensorSpec.__deepcopy__ = _spec_deepcopy
 DTensor.__create_write_items__ = create_write_items
 DTensor.__create_chunk_list__ = create_chunk_list
 DTensor.__get_tensor_shard__ = get_tensor_shard
