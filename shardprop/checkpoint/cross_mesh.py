@@ -9,7 +9,7 @@ are reduced on their own mesh first; a Partial target is made from the replicate
 locally (no communication).
 
 Every rank of either mesh must call it with a DTensor of the source spec; a rank outside the
-source mesh passes a placeholder, e.g. ``DTensor.from_local(torch.empty(0), src_mesh,
+source mesh passes a placeholder, e.g. ``DTensor.from_local(torch.empty((0,) * ndim), src_mesh,
 placements, shape=global_shape)``, and a rank in neither mesh does nothing. Ranks outside
 the target mesh get a DTensor with an empty local tensor.
 
@@ -50,8 +50,9 @@ def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
     src_mesh, shape, dtype = src_spec.mesh, tuple(src_spec.shape), src_spec.dtype
     src_placements = src_spec.placements
     in_src, in_dst = src_mesh._coord is not None, dst_mesh._coord is not None
+    nothing = (0,) * len(shape) if shape else (0,)  # the local tensor of a rank outside a mesh
     if not (in_src or in_dst):
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(nothing, dtype=dtype)
     if in_src:
         local = wait_all(local)
         if src_spec.has_partial:  # the value must exist before pieces of it can move
@@ -62,7 +63,7 @@ def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
     me = dist.get_rank()
     mine_src = shard_box(shape, src_mesh.shape, src_mesh._coord, src_placements) if in_src else None
     mine_dst = shard_box(shape, dst_mesh.shape, dst_mesh._coord, target) if in_dst else None
-    out = torch.empty(mine_dst[1], dtype=dtype, device=device) if in_dst else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(mine_dst[1] if in_dst else nothing, dtype=dtype, device=device)
     ops, received = [], []
     for tag, t in enumerate(plan_transfers(shape, src_mesh, src_placements, dst_mesh, target)):
         if t.src == me and t.dst == me:
