@@ -6,8 +6,9 @@
 - Loading: a parallelized module accepts plain full tensors in ``load_state_dict``: a
   ``load_state_dict`` pre-hook (installed by ``parallelize_module``/``distribute_module``, or by
   :func:`enable_full_state_dict_loading`) distributes each plain entry to its parameter's mesh and
-  placements, one entry at a time, with ``distribute_tensor``'s ``src_data_rank`` semantics:
-  by default the first mesh rank's data is what every rank gets.
+  placements, one entry at a time. ``src_data_rank`` is the global rank whose values every rank
+  gets (default 0; over a mesh of all ranks it is scattered as ``distribute_tensor`` does, over a
+  mesh of some ranks it is broadcast, then cut); ``None``: each rank cuts its own copy.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
     """``model.state_dict()`` with every DTensor replaced by its full tensor (plain tensors).
 
     Collective: every rank calls it. With ``rank0_only`` (default) global rank 0 gets the dict
-    and the others an empty one; otherwise every rank gets it. ``cpu_offload`` moves each
+    and the others an empty one (rank 0 gathers from the ranks of its own meshes; replicas on
+    meshes without rank 0, e.g. other dp groups, send nothing); otherwise every rank gets it. ``cpu_offload`` moves each
     entry to CPU as it is gathered. A single-device model of the same architecture loads the
     result with ``load_state_dict`` (Hugging Face ``save_pretrained`` style).
 
@@ -59,6 +61,8 @@ def _gather(dt: DTensor, rank0_only: bool) -> Optional[torch.Tensor]:
         if spec.mesh._coord is None:
             raise RuntimeError(f"full_state_dict(rank0_only=False): rank {dist.get_rank()} is not in {spec.mesh}")
         return dt.redistribute(placements=[Replicate()] * spec.mesh.ndim).to_local().detach()
+    if 0 not in spec.mesh._flat:
+        return None  # a replica on another mesh (e.g. another dp group's tp mesh): rank 0 reads its own
     target = RankList.of([0], spec.mesh.device_type)
     local = move_local(dt._local_tensor.detach(), spec, target, (Replicate(),))
     return local if target._coord is not None else None
@@ -77,22 +81,42 @@ def _load_pre_hook(module: nn.Module, state_dict, prefix, local_metadata, strict
             continue
         if tuple(value.shape) != tuple(target.shape):
             continue  # load_state_dict reports the size mismatch with the key's name
-        mesh = target.device_mesh
-        if mesh._coord is None:
-            continue
-        if value.is_meta:  # a placeholder on ranks whose data is not used
-            value = torch.empty(value.shape, dtype=value.dtype)
-        state_dict[key] = distribute_tensor(value, mesh, target.placements, src_data_rank=src)
+        state_dict[key] = _distribute_entry(value, target, src)
+
+
+def _distribute_entry(value: torch.Tensor, target: DTensor, src: Optional[int]) -> DTensor:
+    """``value`` (global rank ``src``'s, or each rank's own if None) laid out like ``target``."""
+    mesh = target.device_mesh
+    if value.is_meta:  # a placeholder on ranks whose data is not used
+        value = torch.empty(value.shape, dtype=value.dtype)
+    if src is not None and mesh.size() != dist.get_world_size():
+        # The mesh is one of several (e.g. a tp mesh per dp group): the source may not be in it, so
+        # take its value over the whole world, then cut locally. One entry at a time.
+        if dist.get_rank() == src:
+            value = value.to(_device(mesh)).contiguous()
+        else:  # a fresh buffer: never write into the caller's tensor
+            value = torch.empty(value.shape, dtype=value.dtype, device=_device(mesh))
+        dist.broadcast(value, src)
+        src = None
+    if mesh._coord is None:
+        return value  # not ours to hold
+    if src is not None:
+        src = mesh._flat.index(src)  # distribute_tensor counts in mesh order
+    return distribute_tensor(value, mesh, target.placements, src_data_rank=src)
+
+
+def _device(mesh) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
 def enable_full_state_dict_loading(module: nn.Module, *, src_data_rank: Optional[int] = 0) -> nn.Module:
     """Let ``module.load_state_dict`` take plain full tensors for its DTensor parameters and buffers.
 
     Each plain entry is distributed to its parameter's mesh and placements as it is loaded
-    (bounded memory: one entry at a time). ``src_data_rank`` as in ``distribute_tensor``: the
-    data of that mesh rank is what every rank gets (the others may pass tensors of the right
-    shape, even on the meta device); ``None``: every rank cuts its shard from its own copy,
-    with no communication. Installed once per module (calling again updates ``src_data_rank``);
+    (bounded memory: one entry at a time). ``src_data_rank``: the global rank whose data every
+    rank gets (the others may pass tensors of the right shape, even on the meta device);
+    ``None``: every rank cuts its shard from its own copy, with no communication. Collective:
+    every rank calls ``load_state_dict``. Installed once per module (calling again updates ``src_data_rank``);
     ``parallelize_module`` and ``distribute_module`` install it.
 
     Example:
