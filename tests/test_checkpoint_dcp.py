@@ -330,3 +330,20 @@ def test_adamw_state_through_dcp_onto_another_mesh_continues_like_one_process():
     for losses, ref, params_ok in run_on_ranks(4, _optimizer_roundtrip, root, timeout=120):
         assert losses == pytest.approx(ref, rel=1e-5)
         assert params_ok
+
+
+# ---------------------------------------------------------------- the demo: save, resume on another mesh
+def _demo(argv):
+    from shardprop.demo.train import parser, rank_main
+    summary = rank_main(parser().parse_args(argv))
+    return summary["ok"], summary["losses"], summary.get("reference")
+
+
+def test_demo_resume_on_another_mesh_equals_an_uninterrupted_run():
+    root = tempfile.mkdtemp(prefix="dcp_demo_")
+    small = ["--dim", "32", "--layers", "1", "--heads", "4", "--vocab", "64", "--seq", "8", "--batch", "4"]
+    first = run_on_ranks(4, _demo, small + ["--steps", "2", "--mesh", "2x2", "--checkpoint", root], timeout=180)
+    second = run_on_ranks(4, _demo, small + ["--steps", "4", "--mesh", "4", "--resume", root], timeout=180)
+    ok, losses, reference = second[0]  # the demo compares with the same steps of a one-process run
+    assert first[0][0] and ok and len(losses) == 2
+    assert losses == pytest.approx(reference, rel=1e-5)
