@@ -1,7 +1,7 @@
 """Benchmark checkpoints: DCP save/load of a ~200 MB tensor-parallel model, shardprop vs torch.distributed.tensor.
 
 Spawns 4 CPU ranks (gloo on 127.0.0.1, one thread each). The model is a stack of bias-free
-``Linear`` layers (``--layers`` x ``--dim`` x ``4*dim``, float32; default 8 x 1024 x 6144, 201 MB),
+``Linear`` layers (``--layers`` x ``--dim`` x ``4*dim``, float32; default 8 x 1280 x 5120, 200 MiB),
 column/row-parallel over the ``tp`` dim of a 2x2 ``("dp", "tp")`` mesh (so every shard has a
 dp replica), built once with shardprop's ``parallelize_module`` and once with torch's, from the
 same seed. Both go through the same calls:
@@ -24,7 +24,7 @@ Targets: save and load time ratios <= 1.0; bytes per rank equal to the reference
 
 Usage::
 
-    python bench/checkpoint.py [--reps 5] [--layers 8] [--dim 1024] [--dir /dev/shm] [--json out.json]
+    python bench/checkpoint.py [--reps 5] [--layers 8] [--dim 1280] [--dir /dev/shm] [--json out.json]
 """
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--dim", type=int, default=1280)
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)

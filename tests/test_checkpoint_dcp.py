@@ -347,3 +347,42 @@ def test_demo_resume_on_another_mesh_equals_an_uninterrupted_run():
     ok, losses, reference = second[0]  # the demo compares with the same steps of a one-process run
     assert first[0][0] and ok and len(losses) == 2
     assert losses == pytest.approx(reference, rel=1e-5)
+
+
+# ---------------------------------------------------------------- what DCP's own helpers call on tensors
+def _torch_helpers(root):
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.metadata import TensorProperties
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from shardprop import ColwiseParallel, RowwiseParallel, Shard, distribute_tensor, init_device_mesh, parallelize_module
+    mesh = init_device_mesh("cpu", (4,))
+    x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    props = TensorProperties.create_from_tensor(x)  # asks is_pinned
+    torch.manual_seed(0)
+    model = parallelize_module(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8)), mesh,
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    # torchtitan's way: torch's own state-dict helpers, then DCP.
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(sd, checkpoint_id=root)
+    torch.manual_seed(1)
+    other = parallelize_module(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8)), mesh,
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt2 = torch.optim.AdamW(other.parameters())
+    sd2 = {"model": get_model_state_dict(other), "optim": get_optimizer_state_dict(other, opt2)}
+    dcp.load(sd2, checkpoint_id=root)
+    set_model_state_dict(other, sd2["model"])
+    set_optimizer_state_dict(other, opt2, sd2["optim"])
+    same = all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(model.parameters(), other.parameters()))
+    same_state = all(torch.equal(opt.state[p]["exp_avg"].full_tensor(), opt2.state[q]["exp_avg"].full_tensor())
+                     for p, q in zip(model.parameters(), other.parameters()))
+    return x.is_pinned(), props.pin_memory, same, same_state
+
+
+def test_is_pinned_and_torchs_own_state_dict_helpers():
+    root = tempfile.mkdtemp(prefix="dcp_helpers_")
+    assert run_on_ranks(4, _torch_helpers, root, timeout=120) == [(False, False, True, True)] * 4
