@@ -386,3 +386,19 @@ def _torch_helpers(root):
 def test_is_pinned_and_torchs_own_state_dict_helpers():
     root = tempfile.mkdtemp(prefix="dcp_helpers_")
     assert run_on_ranks(4, _torch_helpers, root, timeout=120) == [(False, False, True, True)] * 4
+
+
+def _async_partial(root):
+    import torch.distributed.checkpoint as dcp
+    from shardprop import Partial, distribute_tensor, init_device_mesh
+    x = distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (4,)), [Partial()])
+    try:
+        dcp.async_save({"x": x}, checkpoint_id=root).result()
+    except BaseException as e:
+        return str(e)
+    return "no error"
+
+
+def test_async_save_of_a_partial_value_says_to_reduce_it_first():
+    for msg in run_on_ranks(4, _async_partial, tempfile.mkdtemp(prefix="dcp_ap_"), timeout=120):
+        assert "redistribute Partial to Replicate first" in msg, msg[-500:]

@@ -11,7 +11,8 @@ DCP asks a tensor subclass three things (``torch/distributed/checkpoint/planner_
   shard itself, so a load lands in place).
 
 ``Partial`` values are reduced before they are written (collectively, on the tensor's mesh,
-while DCP plans: every rank of the mesh plans every entry in the same order). Loading into a
+while DCP plans: every rank of the mesh plans every entry in the same order; ``dcp.async_save``
+plans in a background thread, where this raises instead: reduce such values first). Loading into a
 ``Partial(sum)`` tensor fills the first rank along each partial mesh dim and zeros the others;
 the other reduce ops hold the value on every rank. Ranks outside the tensor's mesh write and
 read nothing.
@@ -25,6 +26,8 @@ Example:
     >>> dcp.load({"model": other_layout_model.state_dict()}, checkpoint_id="ckpt")  # doctest: +SKIP
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -46,6 +49,11 @@ def _value_to_write(dt: DTensor) -> torch.Tensor:
     spec = dt._spec
     local = wait_all(dt._local_tensor)
     if spec.has_partial:
+        if threading.current_thread() is not threading.main_thread():
+            # dcp.async_save plans in a background thread, while the training thread may be using the
+            # same process groups: a collective here could interleave with the step's and hang.
+            raise ValueError(f"dcp.async_save: a DTensor with placements {list(spec.placements)} would need a "
+                             "reduction in DCP's background thread; redistribute Partial to Replicate first")
         target = tuple(Replicate() if type(p) is Partial else p for p in spec.placements)
         local = redistribute_local(local, spec, target)
     return local
