@@ -16,8 +16,8 @@ and follows every timed call (the time is rank 0's), the table shows medians and
 Checkpoints go to ``--dir`` (default /dev/shm, so the disk's noise does not drown the
 difference; each is deleted after its round). Loaded values are checked against each other.
 
-A second table times the other workflows once each on the same model (ours vs the reference's
-own way to do the same, or its error): async_save, full state dict gather and load, and a
+A second table times the other workflows on the same model (ours vs the reference's own way to
+do the same, or its error; 3 alternating runs each, medians): async_save, full state dict gather and load, and a
 cross-mesh redistribute of one layer's weight.
 
 Targets: save and load time ratios <= 1.0; bytes per rank equal to the reference's or fewer.
@@ -128,13 +128,31 @@ def body(rank: int, world: int, reps: int, layers: int, dim: int, root: str) -> 
                 model_mb=sum(p.numel() for p in _model(layers, dim).parameters()) * 4 / 2**20)
 
 
-def _try(fn):
+WORKFLOW_REPS = 3
+
+
+def _try_once(fn):
     try:
         t, _ = _timed(fn)
         return dict(ok=True, seconds=t)
     except BaseException as e:  # CheckpointException is a BaseException
         dist.barrier()
         return dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+
+
+def _pair(ours, ref):
+    """Run both contenders WORKFLOW_REPS times, alternating; (ours, ref) with median seconds (or the error)."""
+    runs = {"o": [], "r": []}
+    for rep in range(WORKFLOW_REPS):
+        for k in (("o", "r") if rep % 2 == 0 else ("r", "o")):
+            if runs[k] and not runs[k][-1]["ok"]:
+                continue  # it failed: once is enough
+            runs[k].append(_try_once(ours if k == "o" else ref))
+    out = []
+    for k in ("o", "r"):
+        bad = [r for r in runs[k] if not r["ok"]]
+        out.append(bad[0] if bad else dict(ok=True, seconds=statistics.median(r["seconds"] for r in runs[k])))
+    return tuple(out)
 
 
 def _workflows(models, root, layers, dim) -> dict:
@@ -149,20 +167,20 @@ def _workflows(models, root, layers, dim) -> dict:
     def async_save(model, name):
         fut = dcp.async_save({"model": model.state_dict()}, checkpoint_id=os.path.join(root, f"async-{name}"))
         fut.result()
-    out["dcp.async_save + wait"] = (_try(lambda: async_save(ours, "ours")), _try(lambda: async_save(ref, "ref")))
+    out["dcp.async_save + wait"] = _pair(lambda: async_save(ours, "ours"), lambda: async_save(ref, "ref"))
     full = {}
-    out["full state dict gather (rank 0, cpu)"] = (
-        _try(lambda: full.setdefault("ours", shardprop.full_state_dict(ours))),
-        _try(lambda: full.setdefault("ref", get_model_state_dict(
-            ref, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))))
+    out["full state dict gather (rank 0, cpu)"] = _pair(
+        lambda: full.__setitem__("ours", shardprop.full_state_dict(ours)),
+        lambda: full.__setitem__("ref", get_model_state_dict(
+            ref, options=StateDictOptions(full_state_dict=True, cpu_offload=True))))
     plain = _model(layers, dim).state_dict()
     gathered_ok = me != 0 or all(torch.equal(full["ours"][k], v) for k, v in plain.items())
-    out["model.load_state_dict(full sd)"] = (_try(lambda: ours4.load_state_dict(dict(plain))),
-                                             _try(lambda: ref4.load_state_dict(dict(plain))))
-    out["full sd from rank 0 only"] = (
-        _try(lambda: shardprop.load_full_state_dict(ours4, dict(plain) if me == 0 else None)),
-        _try(lambda: set_model_state_dict(ref4, dict(plain) if me == 0 else {}, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True))))  # (it replaces the dict's entries)
+    out["model.load_state_dict(full sd)"] = _pair(lambda: ours4.load_state_dict(dict(plain)),
+                                                  lambda: ref4.load_state_dict(dict(plain)))
+    out["full sd from rank 0 only"] = _pair(
+        lambda: shardprop.load_full_state_dict(ours4, dict(plain) if me == 0 else None),
+        lambda: set_model_state_dict(ref4, dict(plain) if me == 0 else {}, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True)))  # (it replaces the dict's entries)
     loaded_ok = all(torch.equal(p.full_tensor(), plain[k]) for k, p in ours4.named_parameters())
     # One layer's weight from the 2x2 mesh ([S(0), S(1)]) to the 1-d mesh ([S(1)]), over the same ranks.
     from torch.distributed.tensor import Shard as RS, distribute_tensor as rdist
@@ -172,9 +190,9 @@ def _workflows(models, root, layers, dim) -> dict:
     xr = rdist(w, mr, [RS(0), RS(1)])
     m1o, m1r = models["ours"]["4"][2], models["ref"]["4"][2]
     moved = {}
-    out["redistribute to another mesh (2x2 -> 4)"] = (
-        _try(lambda: moved.setdefault("o", xo.redistribute(m1o, [shardprop.Shard(1)]))),
-        _try(lambda: xr.redistribute(m1r, [RS(1)])))
+    out["redistribute to another mesh (2x2 -> 4)"] = _pair(
+        lambda: moved.__setitem__("o", xo.redistribute(m1o, [shardprop.Shard(1)])),
+        lambda: xr.redistribute(m1r, [RS(1)]))
     moved_ok = "o" in moved and torch.equal(moved["o"].full_tensor(), w)
     shutil.rmtree(os.path.join(root, "async-ours"), ignore_errors=True) if me == 0 else None
     shutil.rmtree(os.path.join(root, "async-ref"), ignore_errors=True) if me == 0 else None
