@@ -283,7 +283,6 @@ def test_a_save_failing_on_one_rank_leaves_the_previous_checkpoint_loadable():
 
 # ---------------------------------------------------------------- optimizer state, resharded
 def _optimizer_roundtrip(root):
-    import copy
     import torch.distributed.checkpoint as dcp
     from torch import nn
     import shardprop

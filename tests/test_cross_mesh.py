@@ -6,7 +6,6 @@ overlaps, each replica box sent once), autograd on the same ranks, and the clear
 backward across different rank sets. Values are checked against the plain global tensor.
 """
 
-import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
