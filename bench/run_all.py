@@ -29,6 +29,7 @@ BENCHMARKS = {
     "dispatch": "dispatch.py",
     "tp": "tp.py",
     "dispatch_census": "dispatch_census.py",
+    "checkpoint": "checkpoint.py",
 }
 
 
