@@ -125,6 +125,7 @@ def _checked_global_shape(local, mesh, placements, shape):
     everyone = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(everyone, mine, group=group)
     everyone = [e.cpu().tolist() for e in everyone]
+    ranks = sorted(ranks)  # all_gather fills in group order, which is ascending global rank
     coords = {r: tuple(c) for r, c in zip(ranks, _coords_of(mesh, ranks))}
     problems = []
     if len({(e[0], e[1]) for e in everyone}) != 1:
@@ -210,13 +211,13 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
         >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
     """
     mesh = self._spec.mesh
+    if placements is None:
+        raise ValueError("redistribute: give the target placements")
     if device_mesh is not None and device_mesh != mesh:
         if other_mesh_redistribute is None:
             raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
                              "redistribution happens within one mesh (import shardprop for cross-mesh moves)")
         return other_mesh_redistribute(self, device_mesh, placements, async_op)
-    if placements is None:
-        raise ValueError("redistribute: give the target placements")
     placements = normalize_placements(placements, self.ndim, mesh.ndim, "redistribute")
     return Redistribute.apply(self, placements, async_op)
 
