@@ -235,3 +235,66 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
     work = dist.scatter(out, [c.contiguous() for c in chunks] if me == ranks[src] else None,
                         src=ranks[src], group=group, async_op=async_op)
     return _finish(out, work, async_op)
+
+
+class _CoalescedWork:
+    """The work of a coalesced group of collectives: one wait for all of them."""
+
+    def __init__(self, cm) -> None:
+        self._cm = cm
+
+    def wait(self, timeout=None) -> bool:
+        self._cm.wait()
+        return True
+
+
+def _coalesced(kind: str, pairs, group, issue, async_op: bool, result: torch.Tensor, nbytes: int):
+    if _counters:
+        for c in _counters:
+            c.add(kind, nbytes)
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        for out, inp in pairs:
+            issue(out, inp)
+    work = _CoalescedWork(cm)
+    if async_op:
+        return AsyncTensor(work, result)
+    work.wait()
+    return result
+
+
+def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], result: torch.Tensor,
+                          mesh, dims: MeshDims, *, async_op: bool = False) -> torch.Tensor:
+    """One all-gather of several dim-0 pieces, each into its own output view (counted as one collective).
+
+    ``outputs[i]`` receives every rank's ``inputs[i]`` stacked along dim 0. When the outputs
+    are views of one flat buffer ``result`` (which is returned, or an AsyncTensor of it),
+    the gathered tensors are ready to use in place: there is no unflatten copy on our side.
+
+    Example:
+        >>> full = torch.empty(10); a, b = full[:4].view(2, 2), full[4:].view(2, 3)  # doctest: +SKIP
+        >>> all_gather_into_views([a, b], [x1, x2], full, mesh, 0)  # 2 ranks  # doctest: +SKIP
+    """
+    group, _, _ = resolve(mesh, dims)
+    nbytes = sum(t.numel() * t.element_size() for t in inputs)
+    return _coalesced("all_gather", list(zip(outputs, inputs)), group,
+                      lambda o, i: _all_gather_flat(o, i, group=group), async_op, result, nbytes)
+
+
+def reduce_scatter_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], result: torch.Tensor,
+                              mesh, dims: MeshDims, op: str = "sum", *, async_op: bool = False) -> torch.Tensor:
+    """One reduce-scatter of several inputs, rank i keeping dim-0 piece i of each in ``outputs[i]`` (one collective).
+
+    ``op="avg"`` divides ``result`` (the flat buffer the outputs are views of) by the group size.
+
+    Example:
+        >>> shard = torch.empty(5)  # doctest: +SKIP
+        >>> reduce_scatter_into_views([shard[:2], shard[2:]], [g1, g2], shard, mesh, 0, "avg")  # doctest: +SKIP
+    """
+    group, _, n = resolve(mesh, dims)
+    nbytes = sum(t.numel() * t.element_size() for t in inputs)
+    red = _REDUCE_OPS[op]
+    out = _coalesced("reduce_scatter", list(zip(outputs, inputs)), group,
+                     lambda o, i: _reduce_scatter_flat(o, i, op=red, group=group), True, result, nbytes)
+    if op == "avg":
+        out._finish = _avg(n)
+    return out if async_op else out.wait()

@@ -1,0 +1,190 @@
+"""The flat buffers of one fully_shard unit: where each parameter's shard and full copy live.
+
+Every parameter of a unit gets a *slot* in three flat buffers:
+
+* the **shard buffer** (the parameters' dtype, persistent): this rank's dp piece,
+  padded to ``ceil(rows / dp)`` rows so that every rank's slot has the same size.
+  The sharded DTensor parameter's local tensor is a view of it, so the optimizer
+  updates it in place;
+* the **full buffer** (compute dtype, allocated per gather, freed by resizing its
+  storage to 0): the all-gather writes rank ``r``'s piece of every parameter
+  straight into rows ``[r*chunk, (r+1)*chunk)`` of that parameter's region, so the
+  full parameter is a plain view of the buffer: no unflatten copy;
+* the **gradient shard buffer** (reduce dtype): the reduce-scatter writes this
+  rank's piece of every gradient into its slot; the sharded gradients are views.
+
+A parameter sharded on a dim other than 0 (2-D meshes, where tp already shards
+dim 0) is gathered piece-major into a staging region and copied into place:
+that is the one copy this layout cannot avoid.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from shardprop.tensor.layout import chunk_bounds
+
+
+@dataclass
+class ParamSlot:
+    """One parameter of a unit: its owner, its shapes and its offsets in the unit's flat buffers."""
+
+    module: torch.nn.Module
+    name: str
+    fqn: str
+    sharded: torch.nn.Parameter           # the DTensor parameter the optimizer sees
+    full_shape: torch.Size                # the tensor the dp dim splits (global, or tp-local on 2-D)
+    dim: int                              # the dim the dp mesh dim splits
+    dp: int                               # dp size
+    dp_index: int
+    orig_dtype: torch.dtype
+    requires_grad: bool
+    shard_off: int = 0                    # offset of the slot in the shard / gradient buffers
+    full_off: int = 0                     # offset of the region in the full buffer
+    full_param: Optional[torch.Tensor] = None   # the leaf the module computes with
+    local_view: Optional[torch.Tensor] = None   # this rank's piece, a view of the shard buffer
+    tp_spec: object = None                # 2-D: spec of the tp-local full tensor as a DTensor on the tp mesh
+    hooks: list = field(default_factory=list)
+
+    @property
+    def chunk(self) -> int:
+        """Padded length of one rank's piece along ``dim``."""
+        return -(-self.full_shape[self.dim] // self.dp)
+
+    @property
+    def local_len(self) -> int:
+        return chunk_bounds(self.full_shape[self.dim], self.dp, self.dp_index)[1]
+
+    @property
+    def piece_shape(self) -> torch.Size:
+        """Shape of one rank's padded piece."""
+        s = list(self.full_shape)
+        s[self.dim] = self.chunk
+        return torch.Size(s)
+
+    @property
+    def local_shape(self) -> torch.Size:
+        s = list(self.full_shape)
+        s[self.dim] = self.local_len
+        return torch.Size(s)
+
+    @property
+    def slot_numel(self) -> int:
+        return math.prod(self.piece_shape)
+
+    @property
+    def region_numel(self) -> int:
+        return self.dp * self.slot_numel
+
+    @property
+    def gathered_shape(self) -> torch.Size:
+        """Shape the all-gather writes: pieces stacked along dim 0."""
+        s = list(self.piece_shape)
+        s[0] *= self.dp
+        return torch.Size(s)
+
+
+class UnitBuffers:
+    """The shard, full and gradient-shard buffers of one unit (see the module docstring).
+
+    Example:
+        >>> bufs = UnitBuffers(slots, compute_dtype, reduce_dtype)  # doctest: +SKIP
+        >>> bufs.alloc_full(); outs, ins = bufs.gather_args(bufs.shard)  # doctest: +SKIP
+    """
+
+    def __init__(self, slots: List[ParamSlot], param_dtype: torch.dtype, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, device) -> None:
+        self.slots = slots
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        off = full = 0
+        for s in slots:
+            s.shard_off, s.full_off = off, full
+            off += s.slot_numel
+            full += s.region_numel if s.dim == 0 else math.prod(s.full_shape)
+        self.shard_numel, self.full_numel = off, full
+        self.shard = torch.zeros(off, dtype=param_dtype, device=device)
+        # Allocated until fully_shard has made the full views (set_ checks bounds), then freed.
+        self.full = torch.empty(full, dtype=compute_dtype, device=device)
+        self.full_nbytes = full * self.full.element_size()
+
+    # ---- shards --------------------------------------------------------------------
+    def slot_view(self, s: ParamSlot, buf: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
+        """``s``'s piece in a shard-shaped buffer: padded (``length=None``) or its first ``length`` rows."""
+        piece = buf[s.shard_off:s.shard_off + s.slot_numel].view(s.piece_shape)
+        return piece if length is None else piece.narrow(s.dim, 0, length)
+
+    # ---- full buffer ----------------------------------------------------------------
+    @property
+    def full_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def alloc_full(self) -> None:
+        """Give the full buffer its memory back (views made earlier see the new memory)."""
+        if not self.full_allocated:
+            self.full.untyped_storage().resize_(self.full_nbytes)
+
+    def free_full(self) -> None:
+        """Free the full buffer; the full parameters keep their (now empty) storage for next time."""
+        if self.full_allocated:
+            self.full.untyped_storage().resize_(0)
+
+    def full_view(self, s: ParamSlot) -> torch.Tensor:
+        """A tensor over ``s``'s full parameter in the full buffer, with its own version counter.
+
+        Its own counter matters: writing the next gather into the buffer must not look,
+        to autograd, like an in-place change of the tensor saved for backward.
+        """
+        shape = s.full_shape
+        stride = torch.empty(shape, device="meta").stride()
+        t = torch.empty(0, dtype=self.compute_dtype, device=self.full.device)
+        return t.set_(self.full.untyped_storage(), s.full_off, shape, stride)
+
+    def gather_args(self, shard: torch.Tensor, staging: Optional[torch.Tensor]):
+        """(outputs, inputs) of the unit's all-gather: per slot, the gathered region and this rank's piece."""
+        outs, ins, soff = [], [], 0
+        for s in self.slots:
+            ins.append(self.slot_view(s, shard))
+            if s.dim == 0:
+                out = self.full[s.full_off:s.full_off + s.region_numel]
+            else:
+                out = staging[soff:soff + s.region_numel]
+                soff += s.region_numel
+            outs.append(out.view(s.gathered_shape))
+        return outs, ins
+
+    def staging_numel(self) -> int:
+        """Elements of the staging region needed by slots gathered on a dim other than 0."""
+        return sum(s.region_numel for s in self.slots if s.dim != 0)
+
+    def place_staged(self, staging: torch.Tensor) -> None:
+        """Copy slots gathered piece-major (dim != 0) from the staging region into their full tensors."""
+        soff = 0
+        for s in self.slots:
+            if s.dim == 0:
+                continue
+            pieces = staging[soff:soff + s.region_numel].view((s.dp,) + tuple(s.piece_shape))
+            soff += s.region_numel
+            dst = self.full[s.full_off:s.full_off + math.prod(s.full_shape)].view(s.full_shape)
+            # piece r holds columns [r*chunk, (r+1)*chunk) along s.dim
+            dst.view(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:]).copy_(
+                pieces.movedim(0, s.dim))
+
+    # ---- gradients ------------------------------------------------------------------
+    def reduce_input(self, s: ParamSlot, grad: Optional[torch.Tensor]) -> torch.Tensor:
+        """``grad`` (or zeros) as the reduce-scatter wants it: reduce dtype, rank pieces along dim 0."""
+        dt = self.reduce_dtype
+        if grad is None:
+            return torch.zeros(s.gathered_shape, dtype=dt, device=self.shard.device)
+        g = grad if grad.dtype == dt else grad.to(dt)
+        if s.dim != 0:
+            # [.., dp*chunk, ..] -> [dp, .., chunk, ..] -> rows of pieces
+            split = g.reshape(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:])
+            return split.movedim(s.dim, 0).contiguous().view(s.gathered_shape)
+        pad = s.dp * s.chunk - s.full_shape[0]
+        if pad:
+            g = torch.cat([g, g.new_zeros((pad,) + tuple(s.full_shape[1:]))])
+        return g.contiguous()
