@@ -194,11 +194,15 @@ def _memory_and_counts(reshard):
     model = _shard_model(Net(**big), mesh, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters())
     counts = []
+    from shardprop.dispatch import dispatcher
+    before = sum(dispatcher.call_counts().values())
     for _ in range(2):
         with comm_counter() as c:
             _loss(model, x, y).backward()
-        opt.step()
         counts.append(dict(c.counts))
+        assert sum(dispatcher.call_counts().values()) == before, "DTensor dispatch inside a unit's compute"
+        opt.step()
+        before = sum(dispatcher.call_counts().values())
     gc.collect()
     sharded = _live_bytes() - base
     unit_bytes = max(m._fsdp_unit.buffers.full_nbytes for m in model.modules() if hasattr(m, "_fsdp_unit"))
@@ -246,3 +250,64 @@ def test_error_messages():
         assert "already fully_shard-ed" in msgs[0]
         assert "no dim 'pp'" in msgs[1] and "('dp', 'tp')" in msgs[1]
         assert "different meshes" in msgs[2]
+
+
+# ---------------------------------------------------------------- 2-D: tp inside, dp over it
+
+
+def _cfg():
+    from shardprop.demo.model import LlamaConfig
+    return LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=8)
+
+
+def _reference_2d(steps=STEPS):
+    from shardprop.demo.model import Llama, lm_loss, synthetic_batch
+    cfg = _cfg()
+    model = Llama(cfg, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        x, y = synthetic_batch(cfg, 4, step, 0)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _fsdp_tp_train(reshard=True):
+    from shardprop import fully_shard, init_device_mesh, parallelize_module
+    from shardprop.demo.model import Llama, lm_loss, synthetic_batch, tp_plan
+    cfg = _cfg()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(Llama(cfg, 0), mesh["tp"], tp_plan())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    dp = mesh["dp"]
+    losses = []
+    for step in range(STEPS):
+        x, y = (_rows(t, dp) for t in synthetic_batch(cfg, 4, step, 0))
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / 4)  # summed over 4 ranks: 2 tp copies of each dp rank's loss
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    placements = {n: str(list(p.placements)) for n, p in model.named_parameters()}
+    return losses, params, placements
+
+
+def test_fsdp_tp_2x2_matches_single_process():
+    ref_losses, ref_params = _reference_2d()
+    for losses, params, placements in run_on_ranks(4, _fsdp_tp_train):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref_params[n], atol=1e-5, rtol=0, msg=n)
+        assert placements["layers.0.attention.wq.weight"] == "[S(1), S(0)]"   # column-parallel: dp splits dim 1
+        assert placements["layers.0.attention.wo.weight"] == "[S(0), S(1)]"   # row-parallel: dp splits dim 0
+        assert placements["layers.0.attention_norm.weight"] == "[S(0), R]"
