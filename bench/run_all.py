@@ -28,6 +28,7 @@ BENCHMARKS = {
     "redistribute": "redistribute.py",
     "dispatch": "dispatch.py",
     "tp": "tp.py",
+    "fsdp": "fsdp.py",
 }
 
 

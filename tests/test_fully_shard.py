@@ -39,12 +39,14 @@ class Net(nn.Module):
         self.emb = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
         self.head = nn.Linear(dim, vocab)
+        self.mix = nn.Parameter(torch.tensor([1.0, 0.5]))  # 2 rows over 4 ranks: two ranks hold none
 
     def forward(self, tokens):
         h = self.emb(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.head(h)
+        logits = self.head(h)
+        return logits * self.mix[0] + logits.square() * (0.1 * self.mix[1])
 
 
 def _batches(n, batch=8, seq=5, vocab=11):
