@@ -243,15 +243,23 @@ def _errors():
         fully_shard(mixed, mesh=mesh["dp"])
     except ValueError as e:
         out.append(str(e))
+    # a column-parallel bias: tp splits its only dim; dp would have to split the tp piece again
+    from shardprop import ColwiseParallel, parallelize_module
+    lin = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
+    try:
+        fully_shard(lin, mesh=mesh["dp"])
+    except NotImplementedError as e:
+        out.append(str(e))
     return out
 
 
 def test_error_messages():
     for msgs in run_on_ranks(4, _errors):
-        assert len(msgs) == 3, msgs
+        assert len(msgs) == 4, msgs
         assert "already fully_shard-ed" in msgs[0]
         assert "no dim 'pp'" in msgs[1] and "('dp', 'tp')" in msgs[1]
         assert "different meshes" in msgs[2]
+        assert "'bias'" in msgs[3] and "strided" in msgs[3]
 
 
 # ---------------------------------------------------------------- 2-D: tp inside, dp over it

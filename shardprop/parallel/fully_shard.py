@@ -31,7 +31,7 @@ from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
-_DEFAULT_MESH = None
+_DEFAULT_MESHES: Dict[str, object] = {}
 
 
 class FSDPModule:
@@ -190,14 +190,13 @@ def _register_pre_backward(unit: FSDPUnit, state: _RootState, output) -> None:
 # ---------------------------------------------------------------- construction
 
 
-def _resolve_dp_mesh(mesh, dim):
-    global _DEFAULT_MESH
+def _resolve_dp_mesh(mesh, dim, device_type: str):
     from shardprop.mesh.device_mesh import DeviceMesh
     import torch.distributed as dist
-    if mesh is None:
-        if _DEFAULT_MESH is None:
-            _DEFAULT_MESH = DeviceMesh("cpu", torch.arange(dist.get_world_size()), ("dp",))
-        return _DEFAULT_MESH
+    if mesh is None:  # one dp dim over every rank, built once per device type
+        if device_type not in _DEFAULT_MESHES:
+            _DEFAULT_MESHES[device_type] = DeviceMesh(device_type, torch.arange(dist.get_world_size()), ("dp",))
+        return _DEFAULT_MESHES[device_type]
     if dim is None:
         if mesh.ndim == 1:
             return mesh
@@ -283,7 +282,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         raise ValueError(f"fully_shard: {type(module).__name__} is already fully_shard-ed; wrap each module once")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    dp_mesh = _resolve_dp_mesh(mesh, dim)
+    first = next(module.parameters(), None)
+    dp_mesh = _resolve_dp_mesh(mesh, dim, first.device.type if first is not None else "cpu")
     if dp_mesh._coord is None:
         raise RuntimeError(f"fully_shard: this rank is not in the dp mesh {dp_mesh}")
     D, me = dp_mesh.size(), dp_mesh._coord[0]
