@@ -312,9 +312,10 @@ def _fsdp_tp_train(reshard=True):
     return losses, params, placements
 
 
-def test_fsdp_tp_2x2_matches_single_process():
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_tp_2x2_matches_single_process(reshard):
     ref_losses, ref_params = _reference_2d()
-    for losses, params, placements in run_on_ranks(4, _fsdp_tp_train):
+    for losses, params, placements in run_on_ranks(4, _fsdp_tp_train, reshard):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         for n, p in params.items():
             torch.testing.assert_close(p, ref_params[n], atol=1e-5, rtol=0, msg=n)

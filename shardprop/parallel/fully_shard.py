@@ -242,8 +242,12 @@ def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
     """(parent mesh, dp dim index in it, tp placement, tensor dim dp splits) for a DTensor parameter."""
     tp_mesh = p._spec.mesh
     parent = getattr(dp_mesh, "_parent", None)
-    if parent is None or getattr(tp_mesh, "_parent", None) is not parent or tp_mesh.ndim != 1 \
-            or parent.ndim != 2:
+    # Meshes compare by value (specs are interned, so the tp mesh may be an equal object sliced
+    # earlier): the tp mesh must be the parent's other dim through this rank.
+    other = None
+    if parent is not None and parent.ndim == 2 and parent.mesh_dim_names and tp_mesh.ndim == 1:
+        other = parent[[n for n in parent.mesh_dim_names if n != dp_mesh.mesh_dim_names[0]][0]]
+    if other is None or other != tp_mesh:
         raise ValueError(f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh}, which is not the other dim "
                          f"of the 2-d mesh the dp mesh {dp_mesh} was sliced from; slice both from one "
                          f"('dp', 'tp') mesh")
