@@ -5,7 +5,6 @@ steps match plain torch; mixed precision within bf16 tolerance; per-rank bytes
 shrink with dp; one all-gather and one reduce-scatter per unit per step; uneven
 shapes; gradient clipping; gradient accumulation; the error cases.
 """
-import copy
 import gc
 
 import pytest
@@ -93,7 +92,6 @@ def _rows(t, mesh):
 
 
 def _fsdp_train(reshard=True, mp=None, clip=None, accumulate=False):
-    import shardprop
     from shardprop import MixedPrecisionPolicy, init_device_mesh
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     kw = dict(reshard_after_forward=reshard)

@@ -108,6 +108,7 @@ class FSDPUnit:
 
     # ---- gradients -------------------------------------------------------------------
     def start_backward(self) -> None:
+        """Backward reached this unit: count the gradients to wait for before its reduce-scatter."""
         self._grad_pending = sum(1 for s in self.slots if s.requires_grad)
         self.backward_started = True
 

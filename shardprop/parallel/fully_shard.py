@@ -28,7 +28,7 @@ from shardprop.parallel.fsdp_unit import FSDPUnit
 from shardprop.parallel.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Replicate, Shard
+from shardprop.tensor.placement import Shard
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 _DEFAULT_MESHES: Dict[str, object] = {}
