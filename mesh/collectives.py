@@ -279,22 +279,3 @@ def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torc
     return _coalesced("all_gather", list(zip(outputs, inputs)), group,
                       lambda o, i: _all_gather_flat(o, i, group=group), async_op, result, nbytes)
 
-
-def reduce_scatter_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], result: torch.Tensor,
-                              mesh, dims: MeshDims, op: str = "sum", *, async_op: bool = False) -> torch.Tensor:
-    """One reduce-scatter of several inputs, rank i keeping dim-0 piece i of each in ``outputs[i]`` (one collective).
-
-    ``op="avg"`` divides ``result`` (the flat buffer the outputs are views of) by the group size.
-
-    Example:
-        >>> shard = torch.empty(5)  # doctest: +SKIP
-        >>> reduce_scatter_into_views([shard[:2], shard[2:]], [g1, g2], shard, mesh, 0, "avg")  # doctest: +SKIP
-    """
-    group, _, n = resolve(mesh, dims)
-    nbytes = sum(t.numel() * t.element_size() for t in inputs)
-    red = _REDUCE_OPS[op]
-    out = _coalesced("reduce_scatter", list(zip(outputs, inputs)), group,
-                     lambda o, i: _reduce_scatter_flat(o, i, op=red, group=group), True, result, nbytes)
-    if op == "avg":
-        out._finish = _avg(n)
-    return out if async_op else out.wait()

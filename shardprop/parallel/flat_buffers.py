@@ -174,17 +174,27 @@ class UnitBuffers:
                 pieces.movedim(0, s.dim))
 
     # ---- gradients ------------------------------------------------------------------
-    def reduce_input(self, s: ParamSlot, grad: Optional[torch.Tensor]) -> torch.Tensor:
-        """``grad`` (or zeros) as the reduce-scatter wants it: reduce dtype, rank pieces along dim 0."""
-        dt = self.reduce_dtype
+    def pack_gradient(self, s: ParamSlot, packed: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """Copy ``grad`` (or zeros) into the reduce-scatter input ``packed`` ([dp, shard numel]).
+
+        Rank ``r``'s piece of every gradient goes to row ``r`` at the slot's offset, so one
+        reduce-scatter of ``packed`` leaves each rank its pieces, laid out like the shard buffer.
+        The copy also casts to the reduce dtype. (gloo's coalesced reduce-scatter, which would take
+        the gradients as they are, is several times slower than one flat one.)
+        """
+        dst = packed[:, s.shard_off:s.shard_off + s.slot_numel].view((s.dp,) + tuple(s.piece_shape))
         if grad is None:
-            return torch.zeros(s.gathered_shape, dtype=dt, device=self.shard.device)
-        g = grad if grad.dtype == dt else grad.to(dt)
-        if s.dim != 0:
-            # [.., dp*chunk, ..] -> [dp, .., chunk, ..] -> rows of pieces
-            split = g.reshape(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:])
-            return split.movedim(s.dim, 0).contiguous().view(s.gathered_shape)
-        pad = s.dp * s.chunk - s.full_shape[0]
-        if pad:
-            g = torch.cat([g, g.new_zeros((pad,) + tuple(s.full_shape[1:]))])
-        return g.contiguous()
+            dst.zero_()
+        elif s.dim != 0:  # [.., dp*chunk, ..] -> [dp, .., chunk, ..]
+            split = grad.reshape(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:])
+            dst.copy_(split.movedim(s.dim, 0))
+        else:
+            rows, c = s.full_shape[0], s.chunk
+            whole = rows // c  # ranks whose piece is complete
+            if whole:
+                dst[:whole].copy_(grad[:whole * c].view((whole, c) + tuple(s.full_shape[1:])))
+            if whole < s.dp:  # the ragged piece, then empty ones
+                left = rows - whole * c
+                dst[whole, :left].copy_(grad[whole * c:])
+                dst[whole, left:].zero_()
+                dst[whole + 1:].zero_()

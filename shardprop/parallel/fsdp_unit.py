@@ -139,15 +139,13 @@ class FSDPUnit:
 
     def _launch_reduce(self) -> None:
         b = self.buffers
-        gshard = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=b.shard.device)
-        outs, ins = [], []
+        packed = torch.empty((self.dp_mesh.size(), b.shard_numel), dtype=b.reduce_dtype, device=b.shard.device)
         with torch.no_grad():
             for s in self.slots:
-                ins.append(b.reduce_input(s, self._local_grad(s) if s.requires_grad else None))
-                outs.append(b.slot_view(s, gshard))
+                b.pack_gradient(s, packed, self._local_grad(s) if s.requires_grad else None)
                 s.full_param.grad = None  # the full gradient is not needed any more
-            work = C.reduce_scatter_into_views(outs, ins, gshard, self.dp_mesh, 0, "avg", async_op=True)
-        self._reduce = (work, ins)
+            work = C.reduce_scatter(packed.view(-1), self.dp_mesh, 0, "avg", async_op=True)
+        self._reduce = (work, packed)
 
     def finish_gradients(self) -> None:
         """End of backward: reduce what never got ready, wait, write the sharded gradients into ``.grad``."""
