@@ -19,6 +19,10 @@ from shardprop.parallel.flat_buffers import ParamSlot, UnitBuffers
 from shardprop.tensor.dtensor import DTensor
 
 
+# The unit whose reduce-scatter was launched last and is not completed yet.
+_in_flight: Optional["FSDPUnit"] = None
+
+
 class FSDPUnit:
     """The run-time state of one ``fully_shard``-ed module (see the module docstring).
 
@@ -138,6 +142,11 @@ class FSDPUnit:
         return g
 
     def _launch_reduce(self) -> None:
+        global _in_flight
+        # As torch's fully_shard does: the previous unit's reduce-scatter has had this unit's
+        # backward to finish; completing it now frees its packed input before we allocate ours.
+        if _in_flight is not None and _in_flight is not self:
+            _in_flight.complete_reduce()
         b = self.buffers
         packed = torch.empty((self.dp_mesh.size(), b.shard_numel), dtype=b.reduce_dtype, device=b.shard.device)
         with torch.no_grad():
@@ -146,6 +155,7 @@ class FSDPUnit:
                 s.full_param.grad = None  # the full gradient is not needed any more
             work = C.reduce_scatter(packed.view(-1), self.dp_mesh, 0, "avg", async_op=True)
         self._reduce = (work, packed)
+        _in_flight = self
 
     def finish_gradients(self) -> None:
         """End of backward: reduce what never got ready, wait, write the sharded gradients into ``.grad``."""
@@ -154,6 +164,13 @@ class FSDPUnit:
         self.backward_started = False
         self._grad_pending = 0
         self.reshard()
+        self.complete_reduce()
+
+    def complete_reduce(self) -> None:
+        """Wait for this unit's reduce-scatter (if any) and write the sharded gradients into ``.grad``."""
+        global _in_flight
+        if _in_flight is self:
+            _in_flight = None
         if self._reduce is None:
             return
         work, _ = self._reduce
