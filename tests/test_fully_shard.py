@@ -320,3 +320,22 @@ def test_fsdp_tp_2x2_matches_single_process(reshard):
         assert placements["layers.0.attention.wq.weight"] == "[S(1), S(0)]"   # column-parallel: dp splits dim 1
         assert placements["layers.0.attention.wo.weight"] == "[S(0), S(1)]"   # row-parallel: dp splits dim 0
         assert placements["layers.0.attention_norm.weight"] == "[S(0), R]"
+
+
+def _into_views(fn, *args):
+    """Run ``fn`` with units gathering straight into their parameters' views (NCCL's path) on gloo."""
+    from shardprop.parallel import fsdp_unit
+    fsdp_unit.GATHER_INTO_VIEWS = True
+    try:
+        return fn(*args)
+    finally:
+        fsdp_unit.GATHER_INTO_VIEWS = None
+
+
+def test_gather_into_views_path():
+    _check(run_on_ranks(4, _into_views, _fsdp_train, True), _reference(), 1e-5)
+    ref_losses, ref_params = _reference_2d()
+    for losses, params, _ in run_on_ranks(4, _into_views, _fsdp_tp_train, True):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref_params[n], atol=1e-5, rtol=0, msg=n)

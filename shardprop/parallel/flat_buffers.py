@@ -156,6 +156,19 @@ class UnitBuffers:
             outs.append(out.view(s.gathered_shape))
         return outs, ins
 
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        """Copy a flat all-gather of the shard buffers ([dp * shard numel], rank-major) into the full tensors."""
+        rows = gathered.view(self.slots[0].dp, self.shard_numel)
+        for s in self.slots:
+            pieces = rows[:, s.shard_off:s.shard_off + s.slot_numel].view((s.dp,) + tuple(s.piece_shape))
+            if s.dim == 0:
+                dst = self.full[s.full_off:s.full_off + s.region_numel].view(pieces.shape)
+                dst.copy_(pieces)
+            else:  # piece r holds [r*chunk, (r+1)*chunk) along s.dim
+                dst = self.full[s.full_off:s.full_off + math.prod(s.full_shape)]
+                dst.view(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:]).copy_(
+                    pieces.movedim(0, s.dim))
+
     def staging_numel(self) -> int:
         """Elements of the staging region needed by slots gathered on a dim other than 0."""
         return sum(s.region_numel for s in self.slots if s.dim != 0)

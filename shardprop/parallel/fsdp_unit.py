@@ -19,6 +19,20 @@ from shardprop.parallel.flat_buffers import ParamSlot, UnitBuffers
 from shardprop.tensor.dtensor import DTensor
 
 
+# How a unit all-gathers (None: by backend). True: one coalesced all-gather whose outputs are the
+# full parameters' views (NCCL writes each piece in place: no copy at all). False: one flat
+# all-gather of the (already flat) shard buffer, then one copy into the full parameters; on gloo
+# this is cheaper, since gloo's coalesced all-gather flattens the inputs and copies the outputs.
+GATHER_INTO_VIEWS: Optional[bool] = None
+
+
+def gather_into_views(mesh) -> bool:
+    """Whether units on ``mesh`` gather straight into their parameters' views (see GATHER_INTO_VIEWS)."""
+    if GATHER_INTO_VIEWS is not None:
+        return GATHER_INTO_VIEWS
+    return mesh.device_type != "cpu"
+
+
 # The unit whose reduce-scatter was launched last and is not completed yet.
 _in_flight: Optional["FSDPUnit"] = None
 
@@ -49,6 +63,7 @@ class FSDPUnit:
         self._reduce = None        # (AsyncTensor of the gradient shard buffer, inputs kept alive)
         self.ran_forward = False
         self.backward_started = False
+        self._into_views = gather_into_views(dp_mesh)
         for s in slots:
             if s.requires_grad:
                 s.hooks.append(s.full_param.register_post_accumulate_grad_hook(self._grad_ready))
@@ -62,11 +77,14 @@ class FSDPUnit:
         self._resync_shards()
         b.alloc_full()
         shard = b.shard if b.shard.dtype == b.compute_dtype else b.shard.to(b.compute_dtype)
-        n = b.staging_numel()
-        self._staging = torch.empty(n, dtype=b.compute_dtype, device=b.shard.device) if n else None
-        outs, ins = b.gather_args(shard, self._staging)
         self._gather_input = shard
         with torch.no_grad():
+            if not self._into_views:  # the shard buffer is already flat: gather it as it is
+                self._gather = C.all_gather(shard, self.dp_mesh, 0, async_op=True)
+                return
+            n = b.staging_numel()
+            self._staging = torch.empty(n, dtype=b.compute_dtype, device=b.shard.device) if n else None
+            outs, ins = b.gather_args(shard, self._staging)
             self._gather = C.all_gather_into_views(outs, ins, b.full, self.dp_mesh, 0, async_op=True)
 
     def wait_unsharded(self) -> None:
@@ -74,9 +92,11 @@ class FSDPUnit:
         if self.buffers is None or self._unsharded:
             return
         self.unshard()
-        wait_all(self._gather)
-        if self._staging is not None:
-            with torch.no_grad():
+        gathered = wait_all(self._gather)
+        with torch.no_grad():
+            if not self._into_views:
+                self.buffers.copy_out(gathered)
+            elif self._staging is not None:
                 self.buffers.place_staged(self._staging)
         self._gather = self._staging = self._gather_input = None
         self._unsharded = True
