@@ -75,13 +75,13 @@ class FSDPUnit:
             return
         b = self.buffers
         self._resync_shards()
-        b.alloc_full()
         shard = b.shard if b.shard.dtype == b.compute_dtype else b.shard.to(b.compute_dtype)
         self._gather_input = shard
         with torch.no_grad():
             if not self._into_views:  # the shard buffer is already flat: gather it as it is
                 self._gather = C.all_gather(shard, self.dp_mesh, 0, async_op=True)
-                return
+                return  # the full buffer is allocated when the data arrives: one less buffer in flight
+            b.alloc_full()
             n = b.staging_numel()
             self._staging = torch.empty(n, dtype=b.compute_dtype, device=b.shard.device) if n else None
             outs, ins = b.gather_args(shard, self._staging)
@@ -95,6 +95,7 @@ class FSDPUnit:
         gathered = wait_all(self._gather)
         with torch.no_grad():
             if not self._into_views:
+                self.buffers.alloc_full()
                 self.buffers.copy_out(gathered)
             elif self._staging is not None:
                 self.buffers.place_staged(self._staging)
