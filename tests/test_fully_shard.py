@@ -241,23 +241,15 @@ def _errors():
         fully_shard(mixed, mesh=mesh["dp"])
     except ValueError as e:
         out.append(str(e))
-    # a column-parallel bias: tp splits its only dim; dp would have to split the tp piece again
-    from shardprop import ColwiseParallel, parallelize_module
-    lin = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
-    try:
-        fully_shard(lin, mesh=mesh["dp"])
-    except NotImplementedError as e:
-        out.append(str(e))
     return out
 
 
 def test_error_messages():
     for msgs in run_on_ranks(4, _errors):
-        assert len(msgs) == 4, msgs
+        assert len(msgs) == 3, msgs
         assert "already fully_shard-ed" in msgs[0]
         assert "no dim 'pp'" in msgs[1] and "('dp', 'tp')" in msgs[1]
         assert "different meshes" in msgs[2]
-        assert "'bias'" in msgs[3] and "strided" in msgs[3]
 
 
 # ---------------------------------------------------------------- 2-D: tp inside, dp over it
@@ -339,3 +331,47 @@ def test_gather_into_views_path():
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         for n, p in params.items():
             torch.testing.assert_close(p, ref_params[n], atol=1e-5, rtol=0, msg=n)
+    ref = _mlp_reference()
+    for params, _ in run_on_ranks(4, _into_views, _mlp_fsdp_tp):
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref[n], atol=1e-5, rtol=0, msg=n)
+
+
+def _mlp():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
+
+
+def _mlp_reference():
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(4))
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _mlp_fsdp_tp():
+    from shardprop import ColwiseParallel, RowwiseParallel, fully_shard, init_device_mesh, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_mlp(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = _rows(torch.randn(8, 6, generator=torch.Generator().manual_seed(4)), mesh["dp"])
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return ({n: p.full_tensor() for n, p in model.named_parameters()},
+            {n: str(list(p.placements)) for n, p in model.named_parameters()})
+
+
+def test_column_parallel_bias_stays_whole_over_dp():
+    ref = _mlp_reference()
+    for params, placements in run_on_ranks(4, _mlp_fsdp_tp):
+        assert placements["0.bias"] == "[R, S(0)]" and placements["0.weight"] == "[S(1), S(0)]", placements
+        assert placements["2.bias"] == "[S(0), R]", placements
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref[n], atol=1e-5, rtol=0, msg=n)

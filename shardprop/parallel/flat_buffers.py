@@ -1,21 +1,24 @@
 """The flat buffers of one fully_shard unit: where each parameter's shard and full copy live.
 
-Every parameter of a unit gets a *slot* in three flat buffers:
+Every parameter of a unit gets a *slot* in these flat buffers:
 
 * the **shard buffer** (the parameters' dtype, persistent): this rank's dp piece,
   padded to ``ceil(rows / dp)`` rows so that every rank's slot has the same size.
   The sharded DTensor parameter's local tensor is a view of it, so the optimizer
-  updates it in place;
+  updates it in place, and the buffer is the all-gather's input as it is;
 * the **full buffer** (compute dtype, allocated per gather, freed by resizing its
-  storage to 0): the all-gather writes rank ``r``'s piece of every parameter
-  straight into rows ``[r*chunk, (r+1)*chunk)`` of that parameter's region, so the
-  full parameter is a plain view of the buffer: no unflatten copy;
-* the **gradient shard buffer** (reduce dtype): the reduce-scatter writes this
-  rank's piece of every gradient into its slot; the sharded gradients are views.
+  storage to 0; the full parameters are views of it that survive the freeing).
+  Filled either straight by a coalesced all-gather whose outputs are the parameters'
+  regions (rank ``r``'s piece lands in rows ``[r*chunk, (r+1)*chunk)``: no copy on
+  NCCL), or by one copy from a flat all-gather of the shard buffers (:meth:`copy_out`;
+  cheaper on gloo, whose coalesced all-gather copies anyway);
+* the **packed gradients** ([dp, shard numel], reduce dtype, per backward): rank ``r``'s
+  piece of every gradient in row ``r``, so one flat reduce-scatter leaves each rank a
+  buffer laid out like its shard buffer; the sharded gradients are views of it.
 
-A parameter sharded on a dim other than 0 (2-D meshes, where tp already shards
-dim 0) is gathered piece-major into a staging region and copied into place:
-that is the one copy this layout cannot avoid.
+A parameter sharded on a dim other than 0 (2-D meshes, where tp already splits
+dim 0) is gathered piece-major and rearranged by the copy; a ``REPLICATED`` slot
+(a 1-d parameter tp already splits) holds the whole tensor on every dp rank.
 """
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ from typing import List, Optional
 import torch
 
 from shardprop.tensor.layout import chunk_bounds
+
+# ParamSlot.dim of a parameter kept whole on every dp rank (a column-parallel bias on 2-D meshes:
+# tp already splits its only dim). Its slot holds the whole tensor; its gradient is averaged by
+# packing it into every rank's row of the unit's one reduce-scatter.
+REPLICATED = -1
 
 
 @dataclass
@@ -55,20 +63,19 @@ class ParamSlot:
         return -(-self.full_shape[self.dim] // self.dp)
 
     @property
-    def local_len(self) -> int:
+    def local_len(self) -> Optional[int]:
+        """Length of this rank's piece along ``dim`` (None: the whole tensor, for a replicated slot)."""
+        if self.dim == REPLICATED:
+            return None
         return chunk_bounds(self.full_shape[self.dim], self.dp, self.dp_index)[1]
 
     @property
     def piece_shape(self) -> torch.Size:
         """Shape of one rank's padded piece."""
+        if self.dim == REPLICATED:
+            return torch.Size(self.full_shape)
         s = list(self.full_shape)
         s[self.dim] = self.chunk
-        return torch.Size(s)
-
-    @property
-    def local_shape(self) -> torch.Size:
-        s = list(self.full_shape)
-        s[self.dim] = self.local_len
         return torch.Size(s)
 
     @property
@@ -164,6 +171,8 @@ class UnitBuffers:
             if s.dim == 0:
                 dst = self.full[s.full_off:s.full_off + s.region_numel].view(pieces.shape)
                 dst.copy_(pieces)
+            elif s.dim == REPLICATED:
+                self.full[s.full_off:s.full_off + math.prod(s.full_shape)].view(s.full_shape).copy_(pieces[0])
             else:  # piece r holds [r*chunk, (r+1)*chunk) along s.dim
                 dst = self.full[s.full_off:s.full_off + math.prod(s.full_shape)]
                 dst.view(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:]).copy_(
@@ -182,6 +191,9 @@ class UnitBuffers:
             pieces = staging[soff:soff + s.region_numel].view((s.dp,) + tuple(s.piece_shape))
             soff += s.region_numel
             dst = self.full[s.full_off:s.full_off + math.prod(s.full_shape)].view(s.full_shape)
+            if s.dim == REPLICATED:
+                dst.copy_(pieces[0])
+                continue
             # piece r holds columns [r*chunk, (r+1)*chunk) along s.dim
             dst.view(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:]).copy_(
                 pieces.movedim(0, s.dim))
@@ -198,6 +210,8 @@ class UnitBuffers:
         dst = packed[:, s.shard_off:s.shard_off + s.slot_numel].view((s.dp,) + tuple(s.piece_shape))
         if grad is None:
             dst.zero_()
+        elif s.dim == REPLICATED:  # every row: the reduce-scatter then leaves each rank the average
+            dst.copy_(grad.unsqueeze(0).expand(dst.shape))
         elif s.dim != 0:  # [.., dp*chunk, ..] -> [dp, .., chunk, ..]
             split = grad.reshape(s.full_shape[:s.dim] + (s.dp, s.chunk) + s.full_shape[s.dim + 1:])
             dst.copy_(split.movedim(s.dim, 0))

@@ -5,7 +5,8 @@ parameter becomes a ``Shard`` DTensor over the dp mesh dim (an ``nn.Parameter``
 still), so parameters, gradients and optimizer state take 1/dp of the memory.
 Around each unit's forward the module computes on plain full tensors gathered by
 one all-gather (prefetched one unit ahead, forward and backward); its gradients
-leave in one reduce-scatter that overlaps the rest of backward. See
+leave in one reduce-scatter that overlaps the rest of backward (at most one in
+flight: the next unit's launch completes the previous one, as torch's does). See
 :mod:`shardprop.parallel.fsdp_unit` (run time) and :mod:`shardprop.parallel.flat_buffers`
 (memory layout).
 
@@ -13,7 +14,8 @@ On a ``("dp", "tp")`` mesh, after ``parallelize_module(model, mesh["tp"], plan)`
 ``fully_shard(block, mesh=mesh["dp"])`` shards each tp-local tensor over dp. The
 dp dim splits tensor dim 0, unless tp already splits dim 0 (column-parallel
 weights): then dp splits dim 1, so the spec (``[S(1), S(0)]`` on the 2-D mesh) says
-exactly what each rank holds.
+exactly what each rank holds; a 1-d such parameter (a column-parallel bias) stays
+whole over dp (``[R, S(0)]``). No strided-shard placement is ever needed.
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from shardprop.parallel.flat_buffers import ParamSlot, UnitBuffers
+from shardprop.parallel.flat_buffers import REPLICATED, ParamSlot, UnitBuffers
 from shardprop.parallel.fsdp_unit import FSDPUnit
 from shardprop.parallel.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Shard
+from shardprop.tensor.placement import Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 _DEFAULT_MESHES: Dict[str, object] = {}
@@ -257,12 +259,10 @@ def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
         raise NotImplementedError(f"fully_shard: parameter {fqn!r} is Partial on {tp_name!r}")
     dim = 0
     if type(tp_pl) is Shard and tp_pl.dim == 0:
-        if p.ndim < 2:
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} ({tuple(p.shape)}) is Shard(0) over {tp_name!r}; sharding its "
-                f"tp-local piece over {dp_name!r} again on dim 0 needs a strided-shard placement, which shardprop "
-                f"does not have yet")
-        dim = 1  # dp splits dim 1 of the column-parallel weight: [S(1) on dp, S(0) on tp] is exact
+        # Splitting the tp piece again on dim 0 would need a strided-shard placement (shardprop has
+        # none). dp splits dim 1 of a column-parallel weight instead ([S(1) on dp, S(0) on tp] is
+        # exact); a 1-d one (a bias) stays whole on every dp rank ([R on dp, S(0) on tp]).
+        dim = 1 if p.ndim >= 2 else REPLICATED
     return parent, parent.mesh_dim_names.index(dp_name), tp_pl, dim
 
 
@@ -303,11 +303,11 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         if isinstance(p, DTensor):
             parent, dp_at, tp_pl, sdim = _two_d_layout(fqn, p, dp_mesh)
             local = p._local_tensor.detach()
-            if sdim != 0 and local.shape[sdim] % D:
+            if sdim > 0 and local.shape[sdim] % D:
                 raise NotImplementedError(f"fully_shard: parameter {fqn!r}: its tp-local dim {sdim} "
                                           f"({local.shape[sdim]}) must divide by dp={D}")
             placements = [None, None]
-            placements[dp_at], placements[1 - dp_at] = Shard(sdim), tp_pl
+            placements[dp_at], placements[1 - dp_at] = (Shard(sdim) if sdim != REPLICATED else Replicate()), tp_pl
             spec = make_spec(parent, placements, p.shape, dtype=p.dtype)
             tp_spec = p._spec
         else:
@@ -327,9 +327,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         buffers = UnitBuffers(slots, orig, mp_policy.compute_dtype(orig), mp_policy.grad_reduce_dtype(orig), device)
         with torch.no_grad():
             for s, src, spec in zip(slots, sources, specs):
-                off, n = chunk_bounds(src.shape[s.dim], D, me)
-                s.local_view = buffers.slot_view(s, buffers.shard, n)
-                s.local_view.copy_(src.narrow(s.dim, off, n))
+                if s.dim == REPLICATED:
+                    s.local_view = buffers.slot_view(s, buffers.shard)
+                    s.local_view.copy_(src)
+                else:
+                    off, n = chunk_bounds(src.shape[s.dim], D, me)
+                    s.local_view = buffers.slot_view(s, buffers.shard, n)
+                    s.local_view.copy_(src.narrow(s.dim, off, n))
                 s.sharded = nn.Parameter(DTensor(s.local_view, spec), requires_grad=s.requires_grad)
                 s.sharded._local_tensor = s.local_view
                 full = buffers.full_view(s)
