@@ -195,16 +195,26 @@ def to_local(self, *, grad_placements=None) -> torch.Tensor:
     return ToLocal.apply(self, grad_placements)
 
 
+# Set by shardprop.checkpoint (a room above this one): ``f(dt, mesh, placements, async_op)`` moves a
+# DTensor to a different mesh. None: redistribution stays within one mesh.
+other_mesh_redistribute = None
+
+
 def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False) -> "_dt.DTensor":
     """The same tensor laid out with ``placements`` (differentiable).
+
+    A ``device_mesh`` other than this tensor's moves it to that mesh (see
+    ``shardprop.checkpoint.cross_mesh``; every rank of both meshes must call it).
 
     Example:
         >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
     """
     mesh = self._spec.mesh
     if device_mesh is not None and device_mesh != mesh:
-        raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
-                         "redistribution happens within one mesh")
+        if other_mesh_redistribute is None:
+            raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
+                             "redistribution happens within one mesh (import shardprop for cross-mesh moves)")
+        return other_mesh_redistribute(self, device_mesh, placements, async_op)
     if placements is None:
         raise ValueError("redistribute: give the target placements")
     placements = normalize_placements(placements, self.ndim, mesh.ndim, "redistribute")
