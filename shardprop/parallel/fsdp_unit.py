@@ -4,8 +4,8 @@ Per step a unit issues one all-gather (of every parameter's shard, into the full
 buffer, asynchronously so it can be prefetched) and one reduce-scatter (of every
 gradient, launched from the post-accumulate-grad hooks as soon as the unit's last
 gradient is ready, so it overlaps the rest of backward). The sharded gradients are
-written into ``param.grad`` by :meth:`FSDPUnit.finish_gradients` at the end of
-backward.
+written into ``param.grad`` by :meth:`FSDPUnit.complete_reduce`, when the next unit
+launches its reduce-scatter or at the end of backward, whichever comes first.
 """
 from __future__ import annotations
 
