@@ -177,7 +177,7 @@ def _live_bytes():
 def _memory_and_counts(reshard):
     from shardprop import comm_counter, init_device_mesh
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    big = dict(dim=64, hidden=96, layers=3, vocab=32)
+    big = dict(dim=40, hidden=64, layers=3, vocab=32)
     x, y = torch.randint(0, 32, (2, 5)), torch.randint(0, 32, (2, 5))
     # replicated run, for its parameter + gradient + optimizer state bytes
     gc.collect()
