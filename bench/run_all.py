@@ -30,6 +30,7 @@ BENCHMARKS = {
     "tp": "tp.py",
     "dispatch_census": "dispatch_census.py",
     "checkpoint": "checkpoint.py",
+    "fsdp": "fsdp.py",
 }
 
 

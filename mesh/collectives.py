@@ -235,3 +235,47 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
     work = dist.scatter(out, [c.contiguous() for c in chunks] if me == ranks[src] else None,
                         src=ranks[src], group=group, async_op=async_op)
     return _finish(out, work, async_op)
+
+
+class _CoalescedWork:
+    """The work of a coalesced group of collectives: one wait for all of them."""
+
+    def __init__(self, cm) -> None:
+        self._cm = cm
+
+    def wait(self, timeout=None) -> bool:
+        self._cm.wait()
+        return True
+
+
+def _coalesced(kind: str, pairs, group, issue, async_op: bool, result: torch.Tensor, nbytes: int):
+    if _counters:
+        for c in _counters:
+            c.add(kind, nbytes)
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        for out, inp in pairs:
+            issue(out, inp)
+    work = _CoalescedWork(cm)
+    if async_op:
+        return AsyncTensor(work, result)
+    work.wait()
+    return result
+
+
+def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], result: torch.Tensor,
+                          mesh, dims: MeshDims, *, async_op: bool = False) -> torch.Tensor:
+    """One all-gather of several dim-0 pieces, each into its own output view (counted as one collective).
+
+    ``outputs[i]`` receives every rank's ``inputs[i]`` stacked along dim 0. When the outputs
+    are views of one flat buffer ``result`` (which is returned, or an AsyncTensor of it),
+    the gathered tensors are ready to use in place: there is no unflatten copy on our side.
+
+    Example:
+        >>> full = torch.empty(10); a, b = full[:4].view(2, 2), full[4:].view(2, 3)  # doctest: +SKIP
+        >>> all_gather_into_views([a, b], [x1, x2], full, mesh, 0)  # 2 ranks  # doctest: +SKIP
+    """
+    group, _, _ = resolve(mesh, dims)
+    nbytes = sum(t.numel() * t.element_size() for t in inputs)
+    return _coalesced("all_gather", list(zip(outputs, inputs)), group,
+                      lambda o, i: _all_gather_flat(o, i, group=group), async_op, result, nbytes)
+

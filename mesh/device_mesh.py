@@ -49,6 +49,9 @@ class DeviceMesh:
             self.mesh = self.mesh.reshape(1)
         self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
         self._validate()
+        # The mesh this one was sliced from (None for a root mesh): fully_shard combines a
+        # parameter's tp mesh and its dp mesh into their common parent.
+        self._parent = _parent if isinstance(_parent, DeviceMesh) else None
         self._flat = tuple(self.mesh.flatten().tolist())
         self._hash = hash((device_type, self._flat, tuple(self.mesh.shape), self.mesh_dim_names))
         me = dist.get_rank()

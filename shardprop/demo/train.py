@@ -81,12 +81,23 @@ def _fmt_counts(counts) -> str:
     return ", ".join(f"{k} {n}x ({_fmt_bytes(b)})" for k, (n, b) in sorted(counts.items()))
 
 
-def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False):
-    """The model parallelized over ``mesh["tp"]`` (or a 1-d tp mesh), from the seeded single-process init."""
-    from shardprop import parallelize_module
-    tp = mesh["tp"] if mesh.ndim == 2 else mesh
+def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False, fsdp: bool = False):
+    """The model parallelized over ``mesh["tp"]`` (or a 1-d tp mesh), from the seeded single-process init.
+
+    With ``fsdp`` each block, then the whole model, is ``fully_shard``-ed over ``mesh["dp"]``
+    (a 1-d mesh is then all dp: no tp).
+    """
+    from shardprop import fully_shard, parallelize_module
     model = Llama(cfg, seed).to(mesh.device_type)
-    return parallelize_module(model, tp, tp_plan(loss_parallel=loss_parallel))
+    if not (fsdp and mesh.ndim == 1):
+        tp = mesh["tp"] if mesh.ndim == 2 else mesh
+        model = parallelize_module(model, tp, tp_plan(loss_parallel=loss_parallel))
+    if fsdp:
+        dp = mesh["dp"] if mesh.ndim == 2 else mesh
+        for block in model.layers:
+            fully_shard(block, mesh=dp)
+        fully_shard(model, mesh=dp)
+    return model
 
 
 def train(args, mesh, say=print):
@@ -95,16 +106,20 @@ def train(args, mesh, say=print):
     from shardprop.mesh.collectives import all_reduce
     cfg = config_from(args)
     device = mesh.device_type
-    dp = mesh["dp"] if mesh.ndim == 2 else None
+    fsdp = getattr(args, "fsdp", False)
+    dp = mesh["dp"] if mesh.ndim == 2 else (mesh if fsdp else None)
     if dp is not None and args.batch % dp.size():
         # Equal slices make the mean of the dp ranks' losses the global batch's loss.
         raise SystemExit(f"--batch {args.batch} does not split evenly over dp={dp.size()}")
-    model = build(cfg, mesh, args.seed, args.loss_parallel)
+    model = build(cfg, mesh, args.seed, args.loss_parallel, fsdp)
     opt = make_optimizer(args.optimizer, model.parameters())
     start = resume(args.resume, model, opt, say) if args.resume else 0
-    # Averages gradients over dp in bucketed async all-reduces launched from autograd hooks.
-    sync = replicate_gradients(model, mesh, "dp") if dp is not None else None
+    # Averages gradients over dp in bucketed async all-reduces launched from autograd hooks
+    # (fully_shard reduce-scatters them itself).
+    sync = replicate_gradients(model, mesh, "dp") if dp is not None and not fsdp else None
     rows = sync.split_batch if sync is not None else (lambda t: t)
+    if fsdp:
+        rows = lambda t: t.chunk(dp.size())[dp.get_local_rank()]  # noqa: E731
     losses, counts, times = [], [], []
     for step in range(start, args.steps):
         tokens, targets = (rows(t).to(device) for t in synthetic_batch(cfg, args.batch, step, args.seed))
@@ -177,6 +192,8 @@ def rank_main(args) -> dict:
     import shardprop
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     shape, names = parse_mesh(args.mesh, world)
+    if getattr(args, "fsdp", False) and len(shape) == 1:
+        names = ("dp",)  # --fsdp on a 1-d mesh: fully sharded data parallel only
     device = _device_type()
     mesh = shardprop.init_device_mesh(device, shape, mesh_dim_names=names)
     rank = dist.get_rank()
@@ -184,7 +201,8 @@ def rank_main(args) -> dict:
     cfg = config_from(args)
     say(f"shardprop demo: {world} ranks on {device}, mesh {dict(zip(names, shape))}; model dim {cfg.dim}, "
         f"{cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq {cfg.seq_len}, "
-        f"batch {args.batch}, {args.optimizer}{', loss_parallel' if args.loss_parallel else ''}")
+        f"batch {args.batch}, {args.optimizer}{', loss_parallel' if args.loss_parallel else ''}"
+        f"{', fully_shard over dp' if getattr(args, 'fsdp', False) else ''}")
     shardprop.clear_cache()
     t0 = time.perf_counter()
     losses, counts, times = train(args, mesh, say)
@@ -270,6 +288,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--loss-parallel", action="store_true", help="vocab-sharded logits with shardprop.loss_parallel")
+    p.add_argument("--fsdp", action="store_true", help="fully_shard over dp (a 1-d --mesh is then all dp)")
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="at the end, save model and AdamW state to DIR with torch.distributed.checkpoint")
     p.add_argument("--resume", metavar="DIR", default=None,

@@ -1,0 +1,210 @@
+"""One fully_shard unit at run time: gather its parameters, swap them in, reduce-scatter its gradients.
+
+Per step a unit issues one all-gather (of every parameter's shard, into the full
+buffer, asynchronously so it can be prefetched) and one reduce-scatter (of every
+gradient, launched from the post-accumulate-grad hooks as soon as the unit's last
+gradient is ready, so it overlaps the rest of backward). The sharded gradients are
+written into ``param.grad`` by :meth:`FSDPUnit.complete_reduce`, when the next unit
+launches its reduce-scatter or at the end of backward, whichever comes first.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from shardprop.mesh import collectives as C
+from shardprop.mesh.async_tensor import wait_all
+from shardprop.parallel.flat_buffers import ParamSlot, UnitBuffers
+from shardprop.tensor.dtensor import DTensor
+
+
+# How a unit all-gathers (None: by backend). True: one coalesced all-gather whose outputs are the
+# full parameters' views (NCCL writes each piece in place: no copy at all). False: one flat
+# all-gather of the (already flat) shard buffer, then one copy into the full parameters; on gloo
+# this is cheaper, since gloo's coalesced all-gather flattens the inputs and copies the outputs.
+GATHER_INTO_VIEWS: Optional[bool] = None
+
+
+def gather_into_views(mesh) -> bool:
+    """Whether units on ``mesh`` gather straight into their parameters' views (see GATHER_INTO_VIEWS)."""
+    if GATHER_INTO_VIEWS is not None:
+        return GATHER_INTO_VIEWS
+    return mesh.device_type != "cpu"
+
+
+# The unit whose reduce-scatter was launched last and is not completed yet.
+_in_flight: Optional["FSDPUnit"] = None
+
+
+class FSDPUnit:
+    """The run-time state of one ``fully_shard``-ed module (see the module docstring).
+
+    Example:
+        >>> unit = module._fsdp_unit  # doctest: +SKIP
+        >>> unit.unshard(); unit.wait_unsharded(); unit.swap_in()  # doctest: +SKIP
+    """
+
+    def __init__(self, module: torch.nn.Module, slots: List[ParamSlot], buffers: Optional[UnitBuffers], dp_mesh,
+                 reshard_after_forward: bool, mp_policy) -> None:
+        self.module = module
+        self.slots = slots
+        self.buffers = buffers
+        self.dp_mesh = dp_mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.requires_gradient_sync = True
+        self.is_root = False
+        self._gather = None        # AsyncTensor of the full buffer while the all-gather is in flight
+        self._staging = None
+        self._gather_input = None  # keeps the (cast) input alive until the gather finishes
+        self._unsharded = False
+        self._grad_pending = 0
+        self._reduce = None        # (AsyncTensor of the gradient shard buffer, inputs kept alive)
+        self.ran_forward = False
+        self.backward_started = False
+        self._into_views = gather_into_views(dp_mesh)
+        for s in slots:
+            if s.requires_grad:
+                s.hooks.append(s.full_param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    # ---- all-gather ------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Start the all-gather of every shard into the full buffer (no-op if under way or done)."""
+        if self.buffers is None or self._unsharded or self._gather is not None:
+            return
+        b = self.buffers
+        self._resync_shards()
+        shard = b.shard if b.shard.dtype == b.compute_dtype else b.shard.to(b.compute_dtype)
+        self._gather_input = shard
+        with torch.no_grad():
+            if not self._into_views:  # the shard buffer is already flat: gather it as it is
+                self._gather = C.all_gather(shard, self.dp_mesh, 0, async_op=True)
+                return  # the full buffer is allocated when the data arrives: one less buffer in flight
+            b.alloc_full()
+            n = b.staging_numel()
+            self._staging = torch.empty(n, dtype=b.compute_dtype, device=b.shard.device) if n else None
+            outs, ins = b.gather_args(shard, self._staging)
+            self._gather = C.all_gather_into_views(outs, ins, b.full, self.dp_mesh, 0, async_op=True)
+
+    def wait_unsharded(self) -> None:
+        """Wait for the all-gather (starting it if needed); the full parameters are then valid."""
+        if self.buffers is None or self._unsharded:
+            return
+        self.unshard()
+        gathered = wait_all(self._gather)
+        with torch.no_grad():
+            if not self._into_views:
+                self.buffers.alloc_full()
+                self.buffers.copy_out(gathered)
+            elif self._staging is not None:
+                self.buffers.place_staged(self._staging)
+        self._gather = self._staging = self._gather_input = None
+        self._unsharded = True
+
+    def reshard(self) -> None:
+        """Free the full buffer (the saved-for-backward views keep the storage object, not the memory)."""
+        if self.buffers is None:
+            return
+        if self._gather is not None:  # a prefetch nobody used: finish it so the ranks stay in step
+            self.wait_unsharded()
+        self.buffers.free_full()
+        self._unsharded = False
+
+    def _resync_shards(self) -> None:
+        """If something rebound a sharded parameter's local tensor, copy it back into its slot."""
+        for s in self.slots:
+            local = s.sharded._local_tensor
+            if local.data_ptr() != s.local_view.data_ptr() or local.shape != s.local_view.shape:
+                with torch.no_grad():
+                    s.local_view.copy_(local)
+                s.sharded._local_tensor = s.local_view
+
+    # ---- parameter swap --------------------------------------------------------------
+    def swap_in(self) -> None:
+        """Point the modules at the full parameters (plain tensors, or DTensors on the tp mesh on 2-D)."""
+        for s in self.slots:
+            s.module._parameters[s.name] = s.full_param
+
+    def swap_out(self) -> None:
+        """Point the modules back at the sharded DTensor parameters."""
+        for s in self.slots:
+            s.module._parameters[s.name] = s.sharded
+
+    # ---- gradients -------------------------------------------------------------------
+    def start_backward(self) -> None:
+        """Backward reached this unit: count the gradients to wait for before its reduce-scatter."""
+        self._grad_pending = sum(1 for s in self.slots if s.requires_grad)
+        self.backward_started = True
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self.backward_started:
+            self.start_backward()
+        self._grad_pending -= 1
+        if self._grad_pending == 0:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """The unit's gradients are all there: start their reduce-scatter, free the full buffer."""
+        if self.requires_gradient_sync and self._reduce is None and any(s.requires_grad for s in self.slots):
+            self._launch_reduce()
+        self.reshard()
+        self.backward_started = False
+        self._grad_pending = -1  # done for this backward
+
+    def _local_grad(self, s: ParamSlot) -> Optional[torch.Tensor]:
+        g = s.full_param.grad
+        if g is None:
+            return None
+        if isinstance(g, DTensor):  # 2-D: the tp-local gradient laid out like the parameter on tp
+            if g._spec.placements != s.tp_spec.placements:
+                g = g.redistribute(s.tp_spec.mesh, s.tp_spec.placements)
+            g = wait_all(g._local_tensor)
+        return g
+
+    def _launch_reduce(self) -> None:
+        global _in_flight
+        # As torch's fully_shard does: the previous unit's reduce-scatter has had this unit's
+        # backward to finish; completing it now frees its packed input before we allocate ours.
+        if _in_flight is not None and _in_flight is not self:
+            _in_flight.complete_reduce()
+        b = self.buffers
+        packed = torch.empty((self.dp_mesh.size(), b.shard_numel), dtype=b.reduce_dtype, device=b.shard.device)
+        with torch.no_grad():
+            for s in self.slots:
+                b.pack_gradient(s, packed, self._local_grad(s) if s.requires_grad else None)
+                s.full_param.grad = None  # the full gradient is not needed any more
+            work = C.reduce_scatter(packed.view(-1), self.dp_mesh, 0, "avg", async_op=True)
+        self._reduce = (work, packed)
+        _in_flight = self
+
+    def finish_gradients(self) -> None:
+        """End of backward: reduce what never got ready, wait, write the sharded gradients into ``.grad``."""
+        if self._grad_pending > 0 or self.backward_started:  # some gradient never arrived (unused parameter)
+            self.post_backward()
+        self.backward_started = False
+        self._grad_pending = 0
+        self.reshard()
+        self.complete_reduce()
+
+    def complete_reduce(self) -> None:
+        """Wait for this unit's reduce-scatter (if any) and write the sharded gradients into ``.grad``."""
+        global _in_flight
+        if _in_flight is self:
+            _in_flight = None
+        if self._reduce is None:
+            return
+        work, _ = self._reduce
+        self._reduce = None
+        gshard = wait_all(work)
+        with torch.no_grad():
+            for s in self.slots:
+                if not s.requires_grad:
+                    continue
+                local = self.buffers.slot_view(s, gshard, s.local_len)
+                if local.dtype != s.orig_dtype:
+                    local = local.to(s.orig_dtype)
+                if s.sharded.grad is None:
+                    s.sharded.grad = DTensor(local, s.sharded._spec)
+                else:
+                    s.sharded.grad._local_tensor.add_(local)
