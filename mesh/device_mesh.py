@@ -18,9 +18,23 @@ from shardprop.mesh import groups as _groups
 
 DimRef = Union[int, str]
 
-# Every mesh built in this process, by its data (device type, ranks, shape, dim names), so that
-# unpickling rebinds to a live mesh instead of building one. Weak: a mesh lives as long as its users.
-_live: "weakref.WeakValueDictionary[tuple, DeviceMesh]" = weakref.WeakValueDictionary()
+# Every mesh built in this process, by its data (device type, ranks, shape, dim names), newest
+# last, so that unpickling rebinds to a live mesh instead of building one (the newest of equal
+# ones: the one a user just made). Weak: a mesh lives as long as its users.
+_live: Dict[tuple, List["weakref.ref[DeviceMesh]"]] = {}
+
+
+def _newest_live(key: tuple) -> Optional["DeviceMesh"]:
+    refs = _live.get(key, [])
+    refs[:] = [r for r in refs if r() is not None]
+    if not refs:
+        _live.pop(key, None)
+        return None
+    return refs[-1]()
+
+
+def _live_meshes() -> List["DeviceMesh"]:
+    return [m for refs in list(_live.values()) for m in (r() for r in refs) if m is not None]
 # First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
 _PICKLED = "shardprop.DeviceMesh/v1"
 
@@ -82,7 +96,7 @@ class DeviceMesh:
                     continue
             mine = next((l for l in lists if me in l), [])
             self._groups[dims] = (group, mine)
-        _live.setdefault(self._key(), self)
+        _live.setdefault(self._key(), []).append(weakref.ref(self))
 
     def _validate(self) -> None:
         flat = self.mesh.flatten().tolist()
@@ -238,11 +252,11 @@ def _rebind(device_type, flat, shape, names) -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError(f"cannot unpickle {what}: torch.distributed is not initialised in this process; "
                            "create the mesh first (init_device_mesh), then load")
-    live = _live.get((device_type, flat, shape, names))
+    live = _newest_live((device_type, flat, shape, names))
     if live is not None:
         return live
     me, world = dist.get_rank(), dist.get_world_size()
-    others = sorted({repr(m) for m in list(_live.values())}) or ["none"]
+    others = sorted({repr(m) for m in _live_meshes()}) or ["none"]
     hint = f"meshes in this process: {', '.join(others)}"
     outside = [r for r in flat if not 0 <= r < world]
     if outside:
