@@ -96,7 +96,9 @@ class DeviceMesh:
                     continue
             mine = next((l for l in lists if me in l), [])
             self._groups[dims] = (group, mine)
-        _live.setdefault(self._key(), []).append(weakref.ref(self))
+        refs = _live.setdefault(self._key(), [])
+        refs[:] = [r for r in refs if r() is not None]  # slices are made often: keep only live ones
+        refs.append(weakref.ref(self))
 
     def _validate(self) -> None:
         flat = self.mesh.flatten().tolist()
