@@ -26,9 +26,11 @@ How the check stays honest:
 * The global value of an output layout is rebuilt from every rank's local piece by
   the definition of the placements, not by the engine's redistribution, so a bug
   there cannot hide a rule bug (and a "replicated" output must agree on every rank).
-* It is collective: every rank walks the same combinations in the same order and
-  the only communication is one all-gather of local results per batch, whatever
-  happens on any rank (errors included), so a failure cannot leave ranks waiting.
+* It is collective: every rank checks the first mesh rank's sample (one broadcast at
+  the start, as ``distribute_tensor`` takes ``src_data_rank=0``'s data), walks the same
+  combinations in the same order, and the only other communication is one all-gather
+  of local results per batch, whatever happens on any rank (errors included), so a
+  failure cannot leave ranks waiting.
 """
 from __future__ import annotations
 
