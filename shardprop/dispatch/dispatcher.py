@@ -20,6 +20,7 @@ DTensor = _dt.DTensor
 _Tensor = torch.Tensor
 _make_subclass = torch.Tensor._make_wrapper_subclass
 _propagate = _prop.propagate
+_inference_mode_enabled = torch.is_inference_mode_enabled
 _TRUE = _marker("<True>")
 _FALSE = _marker("<False>")
 _scalar_keys = {}
@@ -202,13 +203,22 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         r._local_tensor = res
         r._spec = spec
         return r
-    if returns == "view" or returns == "view_list":
-        return _wrap_view(res, out, args[0], returns == "view")
+    if returns == "view":
+        if not _inference_mode_enabled():  # wrap() inlined, as above; inference mode: see _wrap_view
+            spec = out.out_specs[0]
+            m = spec.tensor_meta
+            r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device)
+            r._local_tensor = res
+            r._spec = spec
+            return r
+        return _wrap_view(res, out, args[0], True)
     if returns == "self":
         base = getattr(args[0], "_view_base", None)  # a list for the _foreach_*_ ops
         if base is not None and base() is not None:
             raise _write_into_copy_error(op, args[0])
         return args[0] if res is not None else None
+    if returns == "view_list":
+        return _wrap_view(res, out, args[0], False)
     if returns == "tuple" or returns == "list":
         wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
         return tuple(wrapped) if returns == "tuple" else wrapped
@@ -218,7 +228,6 @@ def run(op, args, kwargs=None, compute=None, rec=None):
 
 
 # ---------------------------------------------------------------- slow path
-_inference_mode_enabled = torch.is_inference_mode_enabled
 
 
 def _wrap_view(res, out, base, single: bool):
