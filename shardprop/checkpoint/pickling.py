@@ -43,7 +43,7 @@ def _reduce_ex(self: DTensor, proto):
     local = self._local_tensor
     if isinstance(local, AsyncTensor):  # a collective still in flight: pickle its result
         local = local.wait()
-    state = {"_local_tensor": local, "_spec": self._spec}
+    state = {"_local_tensor": local.detach(), "_spec": self._spec}  # requires_grad lives on the wrapper
     if getattr(self, "_is_param", False):  # nn.Parameter(dtensor) is a DTensor marked as a parameter
         state["_is_param"] = True
     wrapper = (type(self), self.dtype, tuple(self.shape), self.stride(), 0, self.layout, local.device,

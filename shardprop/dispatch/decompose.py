@@ -98,7 +98,10 @@ def composite_kernel(op):
         has = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
     except RuntimeError:  # an overload torch lists but the dispatcher does not know
         return None
-    return functools.partial(op._op_dk, _CIA) if has else None
+    if not has:
+        return None
+    call_key = getattr(op, "_op_dk", None)  # calls the C++ kernel for one dispatch key
+    return functools.partial(call_key, _CIA) if call_key is not None else op.decompose
 
 
 def _name(op) -> str:
