@@ -105,6 +105,27 @@ def view_of_weight_inference_mode(eng):
         _close(x @ model[0].weight.T, batch() @ ref[0].weight.T, "x @ w.T")
 
 
+def generate_llama_inference_mode(eng):
+    """Greedy decoding under inference_mode: the demo's Llama under its TP plan (sequence parallel,
+    attention, RMSNorm, rope), a sliding window of the model's length, against one process."""
+    from shardprop.demo.model import Llama, LlamaConfig, shardprop_styles, synthetic_batch, tp_plan
+    from tp import torch_styles
+    styles = shardprop_styles() if eng.name == "shardprop" else torch_styles()
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=8)
+    ref = Llama(cfg, seed=3)
+    model = eng.parallelize_module(Llama(cfg, seed=3), mesh, tp_plan(styles))
+    ours, want = synthetic_batch(cfg, 2, 0)[0], synthetic_batch(cfg, 2, 0)[0]
+    with torch.inference_mode():
+        for _ in range(4):
+            logits = model(ours[:, -cfg.seq_len:])
+            _close(logits, ref(want[:, -cfg.seq_len:]), "logits")
+            ours = torch.cat([ours, logits[:, -1:].argmax(-1)], 1)
+            want = torch.cat([want, ref(want[:, -cfg.seq_len:])[:, -1:].argmax(-1)], 1)
+    if not torch.equal(ours, want):
+        raise AssertionError("generated tokens differ from one process's")
+
+
 def deepcopy_module(eng):
     ref, model, _ = parallel_mlp(eng)
     twin = copy.deepcopy(model)
@@ -156,6 +177,7 @@ WORKFLOWS = {
     "forward under inference_mode": forward_inference_mode,
     "forward under no_grad": forward_no_grad,
     "inference_mode: x @ w.T on a weight": view_of_weight_inference_mode,
+    "greedy generate() under inference_mode (TP Llama)": generate_llama_inference_mode,
     "copy.deepcopy(model)": deepcopy_module,
     "torch.save/load(model.state_dict()), weights_only default": save_load_state_dict,
     "pickle of a DTensor": pickle_dtensor,

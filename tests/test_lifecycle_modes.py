@@ -160,3 +160,25 @@ def test_decomposition_is_decided_once_and_a_rule_wins():
         assert all(out["composite_decomposed"]), out
         assert all(out["rule_wins"]), out
         assert out["decomposed_again"], out
+
+
+def _llama_modes():
+    """The demo's Llama under its TP plan (attention, RMSNorm, rope, embedding, sequence parallel)."""
+    import shardprop as sp
+    from shardprop.demo.model import Llama, LlamaConfig, synthetic_batch, tp_plan
+    mesh = sp.init_device_mesh("cpu", (2,))
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, seq_len=8)
+    ref = Llama(cfg, seed=3)
+    model = sp.parallelize_module(Llama(cfg, seed=3), mesh, tp_plan())
+    tokens, _ = synthetic_batch(cfg, 2, 0)
+    want = ref(tokens)
+    out = {}
+    for name, mode in MODES.items():
+        with mode():
+            out[name] = bool(torch.allclose(model(tokens), want, atol=1e-5, rtol=1e-4))
+    return out
+
+
+def test_llama_tp_forward_in_every_mode():
+    for out in run_on_ranks(2, _llama_modes):
+        assert all(out.values()), out
