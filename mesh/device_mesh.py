@@ -35,6 +35,8 @@ def _newest_live(key: tuple) -> Optional["DeviceMesh"]:
 
 def _live_meshes() -> List["DeviceMesh"]:
     return [m for refs in list(_live.values()) for m in (r() for r in refs) if m is not None]
+
+
 # First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
 _PICKLED = "shardprop.DeviceMesh/v1"
 
@@ -70,7 +72,7 @@ class DeviceMesh:
         return super().__new__(cls)
 
     def __init__(self, device_type: str, mesh, mesh_dim_names: Optional[Sequence[str]] = None, *, _parent=None):
-        if device_type == _PICKLED:  # DeviceMesh(_PICKLED, ...) called as a constructor: __new__ rebound it
+        if type(device_type) is str and device_type == _PICKLED:  # DeviceMesh(_PICKLED, ...) called as a constructor: __new__ rebound it
             return
         self.device_type = device_type
         self.mesh = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
