@@ -1,6 +1,6 @@
 """Sweep every float32 op of torch's op_db through the OpInfo harness.
 
-For each mesh variant (1d, 2d, uneven, backward; see tests/opinfo_harness.py) every op
+For each mesh variant (1d, 2d, uneven, backward, inference; see tests/opinfo_harness.py) every op
 is checked on a pool of 4 gloo ranks and gets one outcome: pass, wrong, error or skip.
 An op that hangs or kills a rank is recorded as an error and the rest run in a fresh pool.
 

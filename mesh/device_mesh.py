@@ -6,7 +6,9 @@ built, never later: creation is collective and slow, lookups are a dict access.
 """
 from __future__ import annotations
 
+import copyreg
 import itertools
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -15,6 +17,28 @@ import torch.distributed as dist
 from shardprop.mesh import groups as _groups
 
 DimRef = Union[int, str]
+
+# Every mesh built in this process, by its data (device type, ranks, shape, dim names), newest
+# last, so that unpickling rebinds to a live mesh instead of building one (the newest of equal
+# ones: the one a user just made). Weak: a mesh lives as long as its users.
+_live: Dict[tuple, List["weakref.ref[DeviceMesh]"]] = {}
+
+
+def _newest_live(key: tuple) -> Optional["DeviceMesh"]:
+    refs = _live.get(key, [])
+    refs[:] = [r for r in refs if r() is not None]
+    if not refs:
+        _live.pop(key, None)
+        return None
+    return refs[-1]()
+
+
+def _live_meshes() -> List["DeviceMesh"]:
+    return [m for refs in list(_live.values()) for m in (r() for r in refs) if m is not None]
+
+
+# First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
+_PICKLED = "shardprop.DeviceMesh/v1"
 
 
 def _combos(ndim: int) -> List[Tuple[int, ...]]:
@@ -42,7 +66,14 @@ class DeviceMesh:
         2
     """
 
+    def __new__(cls, *args, **kwargs):
+        if args and type(args[0]) is str and args[0] == _PICKLED:  # from a pickle: rebind, never build
+            return _rebind(*args[1:])
+        return super().__new__(cls)
+
     def __init__(self, device_type: str, mesh, mesh_dim_names: Optional[Sequence[str]] = None, *, _parent=None):
+        if type(device_type) is str and device_type == _PICKLED:  # DeviceMesh(_PICKLED, ...) called as a constructor: __new__ rebound it
+            return
         self.device_type = device_type
         self.mesh = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
         if self.mesh.ndim == 0:
@@ -70,6 +101,9 @@ class DeviceMesh:
                     continue
             mine = next((l for l in lists if me in l), [])
             self._groups[dims] = (group, mine)
+        refs = _live.setdefault(self._key(), [])
+        refs[:] = [r for r in refs if r() is not None]  # slices are made often: keep only live ones
+        refs.append(weakref.ref(self))
 
     def _validate(self) -> None:
         flat = self.mesh.flatten().tolist()
@@ -99,6 +133,29 @@ class DeviceMesh:
                         "list its ranks in ascending order (transpose or relabel the mesh)")
 
     # ---- identity -------------------------------------------------------------
+    def _key(self) -> tuple:
+        return (self.device_type, self._flat, tuple(self.mesh.shape), self.mesh_dim_names)
+
+    def __reduce__(self):
+        """Pickle as data: device type, ranks, shape, dim names; never the process groups.
+
+        Unpickling (``pickle``, ``torch.load``, also with ``weights_only=True``) rebinds to the
+        mesh with that data in the unpickling process (see :func:`_rebind`).
+
+        Example:
+            >>> pickle.loads(pickle.dumps(mesh)) is mesh  # doctest: +SKIP
+            True
+        """
+        # copyreg.__newobj__ pickles as NEWOBJ: DeviceMesh.__new__(DeviceMesh, _PICKLED, ...), which
+        # needs only this class allowlisted for torch.load(weights_only=True), and runs no __init__.
+        return (copyreg.__newobj__, (DeviceMesh, _PICKLED, *self._key()))
+
+    def __copy__(self) -> "DeviceMesh":
+        return self  # a mesh is shared, never copied: its groups are the process's
+
+    def __deepcopy__(self, memo) -> "DeviceMesh":
+        return self
+
     def __hash__(self) -> int:
         return self._hash
 
@@ -186,6 +243,63 @@ class DeviceMesh:
         kept = [d for d in range(self.ndim) if d in dims]
         sub = sub.permute(*[kept.index(d) for d in dims])
         return DeviceMesh(self.device_type, sub, tuple(names) if self.mesh_dim_names else None, _parent=self)
+
+
+def _describe(device_type, flat, shape, names) -> str:
+    layout = torch.tensor(flat, dtype=torch.int64).reshape(shape).tolist() if flat else []
+    return f"DeviceMesh({device_type!r}, {layout}" + (f", mesh_dim_names={names})" if names else ")")
+
+
+def _rebind(device_type, flat, shape, names) -> DeviceMesh:
+    """The mesh of this process that a pickled mesh names: a live mesh with the same data, or
+    one rebuilt over process groups this process already has. Never creates a group (that is
+    collective, and unpickling is not); raises naming the mismatch when neither exists.
+
+    Example:
+        >>> _rebind("cpu", (0, 1), (2,), ("tp",)) is mesh  # a live mesh over ranks 0, 1 named tp  # doctest: +SKIP
+        True
+    """
+    ok = (type(device_type) is str and type(flat) is tuple and all(type(r) is int for r in flat)
+          and type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape)
+          and (names is None or (type(names) is tuple and all(type(n) is str for n in names))))
+    if not ok or len(flat) != _prod(shape):
+        raise ValueError(f"DeviceMesh: malformed pickled mesh data {(device_type, flat, shape, names)!r}")
+    what = _describe(device_type, flat, shape, names)
+    if not dist.is_initialized():
+        raise RuntimeError(f"cannot unpickle {what}: torch.distributed is not initialised in this process; "
+                           "create the mesh first (init_device_mesh), then load")
+    live = _newest_live((device_type, flat, shape, names))
+    if live is not None:
+        return live
+    me, world = dist.get_rank(), dist.get_world_size()
+    others = sorted({repr(m) for m in _live_meshes()}) or ["none"]
+    hint = f"meshes in this process: {', '.join(others)}"
+    outside = [r for r in flat if not 0 <= r < world]
+    if outside:
+        raise ValueError(f"cannot unpickle {what}: ranks {outside} are outside this world of {world} ranks; {hint}")
+    if me not in flat:
+        raise ValueError(f"cannot unpickle {what}: this rank ({me}) is not in it and no such mesh exists here "
+                         f"(was the file saved by another rank?); {hint}")
+    # A mesh nobody holds any more (a slice such as mesh["tp"]) whose groups exist: rebuild it.
+    backend = _groups.backend_for(device_type)
+    layout = torch.tensor(flat, dtype=torch.int64).reshape(shape)
+    for d in range(len(shape)):
+        mine = next(l for l in _rank_lists(layout, (d,)) if me in l)
+        if (backend, tuple(mine)) not in _groups._group_cache:
+            raise ValueError(f"cannot unpickle {what}: no mesh with a {device_type} group over ranks {mine} "
+                             f"(its dim {d}) exists in this process; create the mesh (init_device_mesh, or a "
+                             f"slice of one) before loading; {hint}")
+    return DeviceMesh(device_type, layout, names, _parent=_REUSE_GROUPS)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_REUSE_GROUPS = object()  # _parent for a mesh rebuilt from groups that exist (never creates one)
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:

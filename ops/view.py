@@ -218,7 +218,8 @@ BUILDERS = {
     aten.slice.Tensor: _cut(1),
     aten.slice_copy.Tensor: _cut(1),
     aten.narrow.default: _cut(1),
-    aten.narrow.Tensor: _cut(1),
+    # narrow.Tensor (a tensor start) has no rule: its composite kernel reads the start with
+    # .item() and calls narrow.default, in every autograd mode (shapes need the start's value).
     aten.narrow_copy.default: _cut(1),
     aten.split.Tensor: _cut(2),
     aten.split.sizes: _cut(2),

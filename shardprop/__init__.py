@@ -6,6 +6,7 @@ from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.distribute import distribute_tensor
 from shardprop.tensor.redistribute import plan_redistribute
 from shardprop.dispatch import dispatcher as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
+from shardprop.checkpoint import pickling as _pickling  # noqa: F401  (pickle/deepcopy/torch.load of DTensors)
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.dispatch.cache_control import clear_cache, set_cache_size, set_fallback_to_replicate
 from shardprop.dispatch.registry import register_sharding, unregister_sharding

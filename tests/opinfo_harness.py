@@ -14,6 +14,8 @@ Mesh variants (``VARIANTS``):
   by 4 for [S(d), S(d)]).
 - ``"uneven"``: the 4-rank mesh with Shard(d) on dims whose size is not divisible by 4.
 - ``"backward"``: the 4-rank mesh, even shards, gradients through the DTensor graph.
+- ``"inference"``: as ``"1d"``, the op run under ``torch.inference_mode()``, where
+  CompositeImplicitAutograd ops reach the engine whole instead of decomposed.
 
 Outcomes: ``"pass"`` (every checked combination equal), ``"wrong"`` (a result differs
 without raising: the worst), ``"error"`` (raised; the first exception is recorded),
@@ -52,6 +54,7 @@ VARIANTS = {
     "2d": (2, 2),
     "uneven": (4,),
     "backward": (4,),
+    "inference": (4,),
 }
 
 # Sharded computation reorders float sums; real sharding bugs are off by far more.
@@ -202,7 +205,7 @@ def placement_choices(shape, variant: str) -> list:
     """
     # Empty dims are never sharded: every shard would be empty, so nothing would be checked.
     dims = [d for d in range(len(shape)) if shape[d] > 0]
-    if variant in ("1d", "backward"):
+    if variant in ("1d", "backward", "inference"):
         return [("R",)] + [(f"S{d}",) for d in dims if shape[d] % 4 == 0]
     if variant == "uneven":
         return [("R",)] + [(f"S{d}",) for d in dims if shape[d] % 4 != 0]
@@ -458,16 +461,20 @@ def _distribute(engine, mesh, leaves, combo, grad: bool):
     return out, dts
 
 
-def _check_forward(engine, mesh, op, ref: _Reference, combo, tol) -> None:
+def _check_forward(engine, mesh, op, ref: _Reference, combo, tol, inference: bool = False) -> None:
+    import contextlib
+
     import torch
 
     leaves, _ = _distribute(engine, mesh, _full_inputs(ref.leaves), combo, grad=False)
     torch.manual_seed(1)
-    out = _call(op, ref.spec, leaves)
-    _compare(_gather_outputs(engine, out), ref.out, tol, "output")
-    for i in ref.mutated:
-        got = engine.full_tensor(leaves[i]) if engine.is_dtensor(leaves[i]) else leaves[i]
-        _compare(got, ref.after[i], tol, f"input t{i} after the op")
+    # Inference: inputs made as a server makes its weights (outside), the op and gathering inside.
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        out = _call(op, ref.spec, leaves)
+        _compare(_gather_outputs(engine, out), ref.out, tol, "output")
+        for i in ref.mutated:
+            got = engine.full_tensor(leaves[i]) if engine.is_dtensor(leaves[i]) else leaves[i]
+            _compare(got, ref.after[i], tol, f"input t{i} after the op")
 
 
 def _grad_outputs(sample, out):
@@ -637,7 +644,7 @@ def _check_one(op, op_name, variant, eng, mesh, max_samples, max_combos, seed, t
                 if backward:
                     _check_backward(eng, mesh, op, sample, ref, combo, tol)
                 else:
-                    _check_forward(eng, mesh, op, ref, combo, tol)
+                    _check_forward(eng, mesh, op, ref, combo, tol, inference=variant == "inference")
             except _Wrong as e:
                 code, msg = 1, str(e)
             except Exception as e:

@@ -127,18 +127,31 @@ def test_2d_mesh():
     assert capped["all_replicate_accepted"], capped["text"]  # always in the sample
 
 
-def _different_samples():
+def _unseeded_samples():
+    """Each rank passes its own unseeded samples, as a new user would: rank 0's are checked."""
     import torch.distributed as dist
+    from shardprop.debug import check_rule
     mesh = shardprop.init_device_mesh("cpu", (4,))
-    try:
-        check_sharding_rule(aten.relu.default, _randn(4, 4, seed=dist.get_rank()), mesh=mesh)
-    except ValueError as e:
-        return str(e)
-    return None
+    mine = torch.randn(8, 6) + dist.get_rank()  # differs between ranks, whatever the seed
+    report = check_sharding_rule(aten.mm.default, mine, torch.randn(6, 4), mesh=mesh)
+    # What every rank got: rank 0's tensors (values, strides), kwargs and plain arguments.
+    args = (mine, mine.t(), [torch.randn(3), 2.5 + dist.get_rank()])
+    got_args, got_kwargs = check_rule._first_ranks_sample(args, {"w": mine * 2}, mesh, 0, mesh.get_group(0))
+    sent = [None] * dist.get_world_size()
+    dist.all_gather_object(sent, (args, mine * 2))
+    rank0_args, rank0_w = sent[0]
+    same = (torch.equal(got_args[0], rank0_args[0]) and torch.equal(got_args[1], rank0_args[1])
+            and got_args[1].stride() == (1, 6) and torch.equal(got_args[2][0], rank0_args[2][0])
+            and got_args[2][1] == 2.5 and torch.equal(got_kwargs["w"], rank0_w))
+    return {**_summary(report), "same_as_rank0": same}
 
 
-def test_ranks_must_pass_the_same_sample():
-    assert all("different samples" in (m or "") for m in run_on_ranks(4, _different_samples))
+def test_unseeded_samples_use_rank0s():
+    res = run_on_ranks(4, _unseeded_samples)
+    assert all(r["same_as_rank0"] for r in res), "a rank did not get rank 0's sample"
+    assert all(r["text"] == res[0]["text"] for r in res), "ranks reported differently"
+    assert res[0]["ok"] and not res[0]["errors"], res[0]["text"]
+    assert res[0]["all_replicate_accepted"], res[0]["text"]
 
 
 # ------------------------------------------------------------------ built-in rules, family by family

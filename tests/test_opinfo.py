@@ -17,8 +17,9 @@ from tests.opinfo_harness import (ENGINES, ERROR, PASS, SKIP, VARIANTS, WRONG, E
                                   placement_choices, placement_combos, run_checks)
 from tests.rankpool import get_pool, run_on_ranks
 
-ALL = tuple(VARIANTS)  # "1d", "2d", "uneven", "backward"
+ALL = ("1d", "2d", "uneven", "backward")  # VARIANTS also has "inference": a sample of it below
 FORWARD = ("1d", "2d", "uneven")
+assert set(ALL) | {"inference"} == set(VARIANTS), "a new harness variant: decide how CI checks it"
 
 OPS = {
     # pointwise
@@ -57,9 +58,11 @@ _results = {}  # variant -> {op: result}
 
 
 def results_for(variant):
-    """Every op of OPS checked for ``variant`` (batched pool runs, cached for the session)."""
+    """Every op of OPS (of INFERENCE_OPS for "inference") checked for ``variant`` (batched pool
+    runs, cached for the session)."""
     if variant not in _results:
-        _results[variant] = run_checks(get_pool(4), list(OPS), variant, chunk=15, **CHECK_ARGS)
+        ops = INFERENCE_OPS if variant == "inference" else list(OPS)
+        _results[variant] = run_checks(get_pool(4), ops, variant, chunk=15, **CHECK_ARGS)
     return _results[variant]
 
 
@@ -80,7 +83,28 @@ def test_op_matches_torch(op, variant):
     assert res["outcome"] == PASS, _describe(res)
 
 
-@pytest.mark.parametrize("variant", ALL)
+# Under torch.inference_mode() CompositeImplicitAutograd ops reach the engine whole (in grad mode
+# and no_grad torch decomposes them first). A modest sample for CI: ops of OPS that are composite
+# (decomposed by shardprop as torch would, or served by a rule of their own), and a few that are not.
+# `make sweep` runs every op_db entry in this mode.
+INFERENCE_OPS = [
+    "nn.functional.linear", "matmul", "einsum", "nn.functional.layer_norm", "nn.functional.group_norm",
+    "nn.functional.rms_norm", "nn.functional.cross_entropy", "nn.functional.nll_loss", "softmax",
+    "log_softmax", "nn.functional.conv2d", "nn.functional.max_pool2d", "nn.functional.gelu",
+    "flatten", "unflatten", "reshape", "movedim", "chunk", "narrow", "split.list_args", "var", "std",
+    "where", "__getitem__", "index_put", "masked_fill", "mm", "sum", "add", "nn.functional.embedding",
+]
+
+
+@pytest.mark.parametrize("op", INFERENCE_OPS)
+def test_op_matches_torch_in_inference_mode(op):
+    res = results_for("inference")[op]
+    if res["outcome"] == SKIP:
+        pytest.skip(_describe(res))
+    assert res["outcome"] == PASS, _describe(res)
+
+
+@pytest.mark.parametrize("variant", ALL + ("inference",))
 def test_no_wrong_results(variant):
     # A missing rule raises; a wrong rule silently corrupts training: never acceptable.
     wrong = [_describe(r) for r in results_for(variant).values() if r["outcome"] == WRONG]

@@ -26,16 +26,17 @@ How the check stays honest:
 * The global value of an output layout is rebuilt from every rank's local piece by
   the definition of the placements, not by the engine's redistribution, so a bug
   there cannot hide a rule bug (and a "replicated" output must agree on every rank).
-* It is collective: every rank walks the same combinations in the same order and
-  the only communication is one all-gather of local results per batch, whatever
-  happens on any rank (errors included), so a failure cannot leave ranks waiting.
+* It is collective: every rank checks the first mesh rank's sample (one broadcast at
+  the start, as ``distribute_tensor`` takes ``src_data_rank=0``'s data), walks the same
+  combinations in the same order, and the only other communication is one all-gather
+  of local results per batch, whatever happens on any rank (errors included), so a
+  failure cannot leave ranks waiting.
 """
 from __future__ import annotations
 
 import itertools
 import math
 import random
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -321,8 +322,11 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
                         input_layouts: Optional[Sequence] = None, **sample_kwargs) -> RuleReport:
     """Check the sharding rule in force for ``op`` on every input layout of a sample call.
 
-    Collective: call it on every rank of ``mesh`` (default: a 1-d mesh over the world)
-    with the same full sample tensors (checked). Every tensor argument with at least
+    Collective: call it on every rank of ``mesh`` (default: a 1-d mesh over the world).
+    The sample is the first mesh rank's (rank 0 on a mesh over the world): its arguments
+    are broadcast and every rank checks those, as ``distribute_tensor`` takes
+    ``src_data_rank=0``'s data, so each rank may pass its own unseeded ``torch.randn``
+    (its values are then ignored off rank 0). Every tensor argument with at least
     one dim becomes a DTensor, tried with each of R, S(d) for each dim and (floating
     point only) P(sum), P(avg), P(max), P(min) on each mesh dim; 0-dim tensors stay
     plain (dispatch treats them as replicated scalars). ``max_per_arg`` /
@@ -338,7 +342,7 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
 
     Example:
         >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
-        >>> a, b = torch.randn(8, 6), torch.randn(6, 4)  # the same on every rank  # doctest: +SKIP
+        >>> a, b = torch.randn(8, 6), torch.randn(6, 4)  # rank 0's are used on every rank  # doctest: +SKIP
         >>> r = check_sharding_rule(torch.ops.aten.mm.default, a, b, mesh=mesh)  # doctest: +SKIP
         >>> r.ok, r.find("accepted", (Shard(0), Replicate()), Shard(0)) is not None  # doctest: +SKIP
         (True, True)
@@ -358,7 +362,7 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     group = entry[0]
     mesh_shape = tuple(mesh.shape)
     coord = tuple(mesh._coord)
-    _check_same_sample(sample_args, sample_kwargs, group)
+    sample_args, sample_kwargs = _first_ranks_sample(sample_args, sample_kwargs, mesh, entry[1][0], group)
 
     # The sample (perturbed the same way on every rank) and the reference result.
     counter = itertools.count()
@@ -426,16 +430,50 @@ def _plan_combos(slots, names, mesh_ndim, max_per_arg, max_combos, seed):
     return total, combos, notes
 
 
-def _check_same_sample(args, kwargs, group) -> None:
-    """Raise on every rank if the ranks were given different samples (the check would be meaningless)."""
-    h = zlib.crc32(repr(map_tensors((args, tuple(kwargs.items())), lambda t: (t.dtype, tuple(t.shape)))).encode())
-    for t in _leaves((args, kwargs)):
-        h = zlib.crc32(_pack(t)[2], h)
-    hashes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hashes, h, group=group)
-    if len(set(hashes)) != 1:
-        raise ValueError("check_sharding_rule: the ranks were given different samples; pass the same full "
-                         "tensors on every rank (e.g. seed the generator that makes them)")
+def _first_ranks_sample(args, kwargs, mesh, src: int, group):
+    """(args, kwargs) of rank ``src`` (the mesh's first rank) on every rank: one broadcast.
+
+    Tensors travel as raw bytes with their shape and strides (dense layouts are kept),
+    other arguments as they are.
+    """
+    payload = [None]
+    if dist.get_rank() == src:
+        payload[0] = _pack_sample((tuple(args), dict(kwargs)))
+    dist.broadcast_object_list(payload, src=src, group=group)
+    if dist.get_rank() == src:
+        return tuple(args), dict(kwargs)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    return _unpack_sample(payload[0], device)
+
+
+class _PackedTensor(tuple):
+    """(dtype, shape, stride, raw bytes) of a sample tensor, as broadcast."""
+
+
+def _pack_sample(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return _PackedTensor((t.dtype, tuple(t.shape), tuple(t.stride()), _pack(t)[2]))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pack_sample(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _pack_sample(v) for k, v in obj.items()}
+    return obj
+
+
+def _unpack_sample(obj, device):
+    if type(obj) is _PackedTensor:
+        dtype, shape, stride, raw = obj
+        value = _unpack((dtype, shape, raw)).to(device)
+        try:  # the sender's strides (a transposed sample stays transposed) where they are dense
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(value)
+        except RuntimeError:  # overlapping strides (an expanded tensor): a contiguous copy
+            return value.clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack_sample(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _unpack_sample(v, device) for k, v in obj.items()}
+    return obj
 
 
 def _classify(report, combo, info, per_rank, refs, mesh_shape, atol, rtol, in_place) -> None:

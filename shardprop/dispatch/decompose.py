@@ -6,14 +6,21 @@ simpler aten ops. Running one on DTensor arguments sends each sub-op back throug
 ``shardprop.dispatch.dispatcher``, so an op with no rule works whenever its pieces have rules,
 and every piece is placed by its own rule (no blanket replication).
 
-Two ways in:
+Three ways in:
 
+* CompositeImplicitAutograd ops (``linear``, ``matmul``, ``einsum``, ``layer_norm``, ...):
+  always, as torch's own dispatcher does. With autograd on (grad mode or ``no_grad``)
+  torch runs their composite kernel above autograd, so they never reach
+  ``__torch_dispatch__``; under ``torch.inference_mode()`` the autograd keys are skipped
+  and they arrive whole. Running the same composite kernel here makes every autograd
+  mode compute the same thing. Decided at the op's first call (``dispatch.first_call_hook``),
+  never per call;
 * a curated table (``DEFAULT_OPS``) of ops whose decomposition the OpInfo sweep found
   right on every variant: always on;
 * ``shardprop.set_decompose_fallback(True)`` (or env ``SHARDPROP_DECOMPOSE=1``): every op
   that torch can decompose and that has no rule.
 
-Both install a special handler per op (``dispatch.register_special``), so ops that have a
+All install a special handler per op (``dispatch.register_special``), so ops that have a
 rule never pay anything. The handler re-checks for a rule on every call: a rule
 registered later (built-in or ``register_sharding``) always wins. A decomposition
 that calls its own op again (directly or through a sub-op) does not recurse: the inner
@@ -60,19 +67,41 @@ def decomposition(op):
 
 @functools.lru_cache(maxsize=None)
 def _decomposition(op):
-    if _name(op) in NEVER:
-        return None
-    from torch._decomp import decomposition_table
-    fn = decomposition_table.get(op)
-    if fn is not None:
+    # The composite kernel first: it is what torch runs for this op in grad mode, so an
+    # inference-mode call computes exactly what a grad-mode call does.
+    fn = composite_kernel(op)
+    if fn is not None or _name(op) in NEVER:
         return fn
+    from torch._decomp import decomposition_table
+    return decomposition_table.get(op)
+
+
+_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+@functools.lru_cache(maxsize=None)
+def composite_kernel(op):
+    """``op``'s C++ CompositeImplicitAutograd kernel as a callable, or None.
+
+    This is the kernel torch's dispatcher runs for the op above autograd (not a Python
+    decomposition, which may differ in detail).
+
+    Example:
+        >>> composite_kernel(torch.ops.aten.linear.default) is not None
+        True
+        >>> composite_kernel(torch.ops.aten.mm.default) is None
+        True
+    """
+    if not isinstance(op, torch._ops.OpOverload) or _name(op) in NEVER:
+        return None
     try:
-        composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
-    except (AttributeError, RuntimeError):
-        composite = False
-    if composite:
-        return op.decompose
-    return None
+        has = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # an overload torch lists but the dispatcher does not know
+        return None
+    if not has:
+        return None
+    call_key = getattr(op, "_op_dk", None)  # calls the C++ kernel for one dispatch key
+    return functools.partial(call_key, _CIA) if call_key is not None else op.decompose
 
 
 def _name(op) -> str:
@@ -98,7 +127,7 @@ def _handler(op, args, kwargs):
         out = fn(*args, **kwargs)
     finally:
         active.discard(op)
-    if out is NotImplemented:  # op.decompose without a composite kernel for these arguments
+    if out is NotImplemented:  # a table decomposition that declines these arguments
         return dispatch.run(op, args, kwargs)
     return out
 
@@ -164,11 +193,22 @@ def _sync() -> None:
     if _enabled:
         wanted.update(_all_decomposable())
     for op in list(_installed):
-        if op not in wanted or registry.lookup(op) is not None:
+        if registry.lookup(op) is not None or (op not in wanted and composite_kernel(op) is None):
             uninstall(op)
     for op in wanted:
         if op not in _installed and registry.lookup(op) is None and op not in dispatch.SPECIAL:
             install(op)
+    # A composite op seen before while it had a rule, whose rule is gone now: decompose it again.
+    for op, rec in list(dispatch._OPS.items()):
+        if rec[0] is None and registry.lookup(op) is None and composite_kernel(op) is not None:
+            install(op)
+
+
+def _on_first_call(op):
+    """``dispatch.first_call_hook``: a composite op without a rule gets the decomposition handler."""
+    if registry.lookup(op) is None and composite_kernel(op) is not None and install(op):
+        return _handler
+    return None
 
 
 def decompose_fallback_enabled() -> bool:
@@ -203,4 +243,5 @@ def no_rule_hint(op) -> str:
 
 _sync()
 registry._listeners.append(_sync)
+dispatch.first_call_hook = _on_first_call
 propagate.no_rule_hints.append(no_rule_hint)

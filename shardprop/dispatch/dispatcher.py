@@ -20,6 +20,7 @@ DTensor = _dt.DTensor
 _Tensor = torch.Tensor
 _make_subclass = torch.Tensor._make_wrapper_subclass
 _propagate = _prop.propagate
+_inference_mode_enabled = torch.is_inference_mode_enabled
 _TRUE = _marker("<True>")
 _FALSE = _marker("<False>")
 _scalar_keys = {}
@@ -29,6 +30,11 @@ SPECIAL = {}
 # op -> [special handler or None, hash(op), calls, callable]: one dict lookup per call gives all
 # (OpOverload hashes in Python; hashing it once here saves that on every call).
 _OPS = {}
+
+# Set by shardprop.dispatch.decompose: called once per op, at its first call, when the op has no
+# special handler; returns the handler to install (the op's CompositeImplicitAutograd decomposition,
+# for ops torch would decompose above autograd) or None. Never called again for that op.
+first_call_hook = None
 
 # Set by shardprop.debug.explain (a tool; the engine never imports it) while a recorder or an explicit() guard is active.
 recorder = None
@@ -47,7 +53,11 @@ def register_special(op, handler) -> None:
 
 def _op_record(op) -> list:
     # [special handler, hash(op), calls, the C++ callable behind op(...) (skips a Python frame)]
-    rec = _OPS[op] = [SPECIAL.get(op), hash(op), 0, getattr(op, "_op", op)]
+    # Built once per op (the first call), so deciding on a decomposition here costs nothing later.
+    handler = SPECIAL.get(op)
+    if handler is None and first_call_hook is not None:
+        handler = first_call_hook(op)
+    rec = _OPS[op] = [handler, hash(op), 0, getattr(op, "_op", op)]
     return rec
 
 
@@ -193,11 +203,22 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         r._local_tensor = res
         r._spec = spec
         return r
+    if returns == "view":
+        if not _inference_mode_enabled():  # wrap() inlined, as above; inference mode: see _wrap_view
+            spec = out.out_specs[0]
+            m = spec.tensor_meta
+            r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device)
+            r._local_tensor = res
+            r._spec = spec
+            return r
+        return _wrap_view(res, out, args[0], True)
     if returns == "self":
         base = getattr(args[0], "_view_base", None)  # a list for the _foreach_*_ ops
         if base is not None and base() is not None:
             raise _write_into_copy_error(op, args[0])
         return args[0] if res is not None else None
+    if returns == "view_list":
+        return _wrap_view(res, out, args[0], False)
     if returns == "tuple" or returns == "list":
         wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
         return tuple(wrapped) if returns == "tuple" else wrapped
@@ -207,6 +228,24 @@ def run(op, args, kwargs=None, compute=None, rec=None):
 
 
 # ---------------------------------------------------------------- slow path
+
+
+def _wrap_view(res, out, base, single: bool):
+    """Wrap what a view op returned (one tensor, or a list).
+
+    Under ``torch.inference_mode()`` torch makes a view of a normal tensor a normal tensor, and
+    autograd's view tracking (which runs after us for a normal base) then shares the base's
+    version counter with it: a wrapper made in inference mode has none and refuses. So the
+    wrappers are made with inference mode off in that case, as torch would make the view.
+    """
+    if _inference_mode_enabled() and isinstance(base, _Tensor) and not base.is_inference():
+        with torch.inference_mode(False):
+            return _wrap_view(res, out, base, single)
+    if single:
+        return wrap(res, out.out_specs[0])
+    return [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
+
+
 # View ops whose result torch itself documents as "a view or a copy": writing into it is
 # not expected to reach the base, so it needs no guard.
 _MAY_COPY = {torch.ops.aten.reshape.default, torch.ops.aten.reshape_as.default}
@@ -223,16 +262,15 @@ def _copied_view(op, args, out, schema, compute, rec, largs, lkwargs):
     if recorder is not None:
         recorder.record(schema, out)
     res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
-    single = out.returns == "tensor"
-    wrapped = [r if s is None else wrap(r, s) for r, s in zip([res] if single else res, out.out_specs)]
+    single = out.returns == "view"
+    wrapped = _wrap_view(res, out, args[0], single)
+    wrapped = [wrapped] if single else wrapped
     base = weakref.ref(args[0]) if isinstance(args[0], DTensor) else None
     for w in wrapped:
         if isinstance(w, DTensor):
             w._view_base = base
             w._view_op = op
-    if single:
-        return wrapped[0]
-    return tuple(wrapped) if out.returns == "tuple" else wrapped
+    return wrapped[0] if single else wrapped
 
 
 def _write_into_copy_error(op, target) -> Exception:

@@ -117,8 +117,9 @@ class OutputSharding:
     ``OpSchema.specs``); ``plans`` the redistribution for each input that needs
     one (None otherwise); ``out_specs`` one spec per tensor output (None for
     non-tensor outputs); ``returns`` how the result is shaped: "tensor", "tuple",
-    "list", "self" (in-place: return the first argument) or "out" (return the
-    ``out=`` argument).
+    "list", "view" / "view_list" (a view op's one tensor or list: see
+    ``dispatcher._wrap_view``), "self" (in-place: return the first argument) or "out"
+    (return the ``out=`` argument).
     """
 
     out_specs: tuple

@@ -328,6 +328,8 @@ def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
             and out_specs[0].placements != in_specs[0].placements):  # equal: a Partial target reduced in place
         raise ShardingError(f"{op}: in-place op would change its target from {list(ctx.specs[0].placements)} "
                             f"to {list(out_specs[0].placements)}")
+    if getattr(op, "is_view", False) and returns in ("tensor", "list"):  # the dispatcher wraps views with care (inference mode)
+        returns = "view" if returns == "tensor" else "view_list"
     return OutputSharding(tuple(out_specs), in_specs, plans, any(p is not None for p in plans), returns,
                           candidates, registry.LOCAL_CALLS.get(op))
 

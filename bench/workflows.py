@@ -1,0 +1,244 @@
+"""The workflows around a training step, tried as a new user would: shardprop vs torch.distributed.tensor.
+
+On 2 gloo ranks, a two-layer MLP (Linear 8->16, ReLU, Linear 16->4) under ``ColwiseParallel`` /
+``RowwiseParallel`` of each engine. ``WORKFLOWS`` is the table: a row name -> one small function
+per engine, ``fn(eng)``, run on every rank; it raises when the workflow fails (values are
+compared with single-process torch where there is one) and returns an optional note. A row passes
+when it passes on every rank. Add rows (DCP, full state dicts, ...) as functions in the table.
+
+Usage::
+
+    python bench/workflows.py [--rows inference,pickle] [--json out.json]
+
+Prints a markdown table: pass, fail (with the error, shortened), or n/a (the engine has no such tool).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import os
+import pickle
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _launch import launch  # noqa: E402
+
+WORLD = 2
+NA = "n/a"
+
+
+class NotAvailable(Exception):
+    """The engine has no such tool: the row reads n/a."""
+
+
+# ------------------------------------------------------------------ engines
+def shardprop_engine() -> SimpleNamespace:
+    import shardprop as sp
+    return SimpleNamespace(name="shardprop", init_device_mesh=sp.init_device_mesh, DTensor=sp.DTensor,
+                           distribute_tensor=sp.distribute_tensor, Shard=sp.Shard, Replicate=sp.Replicate,
+                           ColwiseParallel=sp.ColwiseParallel, RowwiseParallel=sp.RowwiseParallel,
+                           parallelize_module=sp.parallelize_module, check_sharding_rule=sp.check_sharding_rule)
+
+
+def reference_engine() -> SimpleNamespace:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    return SimpleNamespace(name="reference", init_device_mesh=init_device_mesh, DTensor=DTensor,
+                           distribute_tensor=distribute_tensor, Shard=Shard, Replicate=Replicate,
+                           ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
+                           parallelize_module=parallelize_module, check_sharding_rule=None)
+
+
+ENGINES = {"shardprop": shardprop_engine, "reference": reference_engine}
+
+
+# ------------------------------------------------------------------ the model
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+
+
+def parallel_mlp(eng):
+    """(single-process model, the same weights parallelized, mesh)."""
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    ref = mlp()
+    model = eng.parallelize_module(copy.deepcopy(ref), mesh, {"0": eng.ColwiseParallel(), "2": eng.RowwiseParallel()})
+    return ref, model, mesh
+
+
+def _close(a, b, what):
+    a = a.full_tensor() if hasattr(a, "full_tensor") else a
+    if not torch.allclose(a, b, atol=1e-5, rtol=1e-4):
+        raise AssertionError(f"{what}: differs from single-process torch by {(a - b).abs().max().item():.3g}")
+
+
+# ------------------------------------------------------------------ workflows
+def forward_inference_mode(eng):
+    ref, model, _ = parallel_mlp(eng)
+    with torch.inference_mode():
+        _close(model(batch()), ref(batch()), "output")
+
+
+def forward_no_grad(eng):
+    ref, model, _ = parallel_mlp(eng)
+    with torch.no_grad():
+        _close(model(batch()), ref(batch()), "output")
+
+
+def view_of_weight_inference_mode(eng):
+    """``x @ w.T`` on a parameter made outside inference mode (custom modules, tied weights)."""
+    ref, model, mesh = parallel_mlp(eng)
+    with torch.inference_mode():
+        x = eng.distribute_tensor(batch(), mesh, [eng.Replicate()])
+        _close(x @ model[0].weight.T, batch() @ ref[0].weight.T, "x @ w.T")
+
+
+def generate_llama_inference_mode(eng):
+    """Greedy decoding under inference_mode: the demo's Llama under its TP plan (sequence parallel,
+    attention, RMSNorm, rope), a sliding window of the model's length, against one process."""
+    from shardprop.demo.model import Llama, LlamaConfig, shardprop_styles, synthetic_batch, tp_plan
+    from tp import torch_styles
+    styles = shardprop_styles() if eng.name == "shardprop" else torch_styles()
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=8)
+    ref = Llama(cfg, seed=3)
+    model = eng.parallelize_module(Llama(cfg, seed=3), mesh, tp_plan(styles))
+    ours, want = synthetic_batch(cfg, 2, 0)[0], synthetic_batch(cfg, 2, 0)[0]
+    with torch.inference_mode():
+        for _ in range(4):
+            logits = model(ours[:, -cfg.seq_len:])
+            _close(logits, ref(want[:, -cfg.seq_len:]), "logits")
+            ours = torch.cat([ours, logits[:, -1:].argmax(-1)], 1)
+            want = torch.cat([want, ref(want[:, -cfg.seq_len:])[:, -1:].argmax(-1)], 1)
+    if not torch.equal(ours, want):
+        raise AssertionError("generated tokens differ from one process's")
+
+
+def deepcopy_module(eng):
+    ref, model, _ = parallel_mlp(eng)
+    twin = copy.deepcopy(model)
+    for p, q in zip(twin.parameters(), model.parameters()):
+        if p.to_local().data_ptr() == q.to_local().data_ptr():
+            raise AssertionError("the copy shares a parameter with the original")
+    _close(twin(batch()), ref(batch()), "copy's output")
+    with torch.no_grad():
+        twin[0].weight.mul_(2.0)
+    _close(model(batch()), ref(batch()), "original's output after changing the copy")
+
+
+def save_load_state_dict(eng):
+    """torch.save(model.state_dict()) per rank; torch.load with its default weights_only=True."""
+    ref, model, _ = parallel_mlp(eng)
+    f = io.BytesIO()
+    torch.save(model.state_dict(), f)
+    f.seek(0)
+    sd = torch.load(f)
+    _, fresh, _ = parallel_mlp(eng)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(sd)
+    _close(fresh(batch()), ref(batch()), "loaded model's output")
+
+
+def pickle_dtensor(eng):
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    full = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
+    dt = eng.distribute_tensor(full, mesh, [eng.Shard(0)])
+    back = pickle.loads(pickle.dumps(dt))
+    _close(back, full, "unpickled DTensor")
+
+
+def check_rule_unseeded(eng):
+    if eng.check_sharding_rule is None:
+        raise NotAvailable("no sharding-rule checker")
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    # Fresh processes share torch's default seed; real ranks have drawn different numbers by now
+    # (data order, dropout): make each rank's generator its own, so the samples differ.
+    torch.manual_seed(1000 + dist.get_rank())
+    report = eng.check_sharding_rule(torch.ops.aten.mm.default, torch.randn(8, 6), torch.randn(6, 4), mesh=mesh)
+    if not report.ok or report.errors:
+        raise AssertionError(report.summary())
+
+
+WORKFLOWS = {
+    "forward under inference_mode": forward_inference_mode,
+    "forward under no_grad": forward_no_grad,
+    "inference_mode: x @ w.T on a weight": view_of_weight_inference_mode,
+    "greedy generate() under inference_mode (TP Llama)": generate_llama_inference_mode,
+    "copy.deepcopy(model)": deepcopy_module,
+    "torch.save/load(model.state_dict()), weights_only default": save_load_state_dict,
+    "pickle of a DTensor": pickle_dtensor,
+    "check_sharding_rule, unseeded per-rank samples": check_rule_unseeded,
+}
+
+
+# ------------------------------------------------------------------ running
+def _outcome(fn, eng) -> str:
+    try:
+        note = fn(eng)
+        return "pass" + (f" ({note})" if note else "")
+    except NotAvailable as e:
+        return f"{NA} ({e})"
+    except Exception as e:
+        return "fail: " + " ".join(f"{type(e).__name__}: {e}".split())[:160]
+
+
+def body(rank, world_size, rows, engines):
+    import warnings
+    warnings.filterwarnings("ignore")
+    engs = {name: ENGINES[name]() for name in engines}
+    results = {}
+    for row in rows:
+        for name, eng in engs.items():
+            mine = _outcome(WORKFLOWS[row], eng)
+            every = [None] * world_size
+            dist.all_gather_object(every, mine)  # a row passes when it passes on every rank
+            bad = [o for o in every if not o.startswith("pass")]
+            results[(row, name)] = bad[0] if bad else every[0]
+    return results
+
+
+def table(results, rows, engines) -> str:
+    head = "| workflow | " + " | ".join("shardprop" if e == "shardprop" else "torch.distributed.tensor"
+                                         for e in engines) + " |"
+    lines = [head, "|" + " --- |" * (len(engines) + 1)]
+    for row in rows:
+        cells = [results[(row, e)].replace("|", "/") for e in engines]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    passed = {e: sum(results[(r, e)].startswith("pass") for r in rows) for e in engines}
+    lines.append("\npassed: " + ", ".join(f"{e} {passed[e]}/{len(rows)}" for e in engines))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="", help="comma-separated substrings of row names (default: every row)")
+    p.add_argument("--engines", default="shardprop,reference")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    keys = [k for k in args.rows.split(",") if k]
+    rows = [r for r in WORKFLOWS if not keys or any(k in r for k in keys)]
+    engines = [e for e in args.engines.split(",") if e]
+    results = launch(body, WORLD, rows, engines, timeout_s=60.0)
+    print(table(results, rows, engines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{r} [{e}]": v for (r, e), v in results.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
