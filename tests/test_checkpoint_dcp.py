@@ -152,6 +152,8 @@ def test_named_resharding_cases():
         ((6, 4), "1d", ["Pmax"], "2d", ["S0", "Psum"], 7),
         ((), "1d", ["Psum"], "2d", ["R", "R"], 8),         # a scalar
         ((1, 3), "1d", ["S0"], "2d", ["S0", "S0"], 9),     # empty shards
+        ((2,), "2d", ["S0", "S0"], "1d", ["R"], 10),       # an empty piece at the offset of a real one
+        ((0, 3), "2d", ["S0", "S1"], "1d", ["S0"], 11),    # an empty tensor
     ])
 
 

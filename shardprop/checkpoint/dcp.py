@@ -71,10 +71,15 @@ def create_write_items(self: DTensor, fqn: str, obj=None) -> list:
     self.__dict__.pop("_dcp_value", None)
     if self._spec.mesh._coord is None:
         return []
-    local = _value_to_write(self)
+    local = _value_to_write(self)  # before any early return: a Partial's reduction is collective
+    offsets, sizes = _box(self)
+    if 0 in sizes and (self._spec.shape.numel() != 0 or any(self._spec.mesh._coord)):
+        # An empty piece (uneven shards) writes nothing: its box could share its offset with a real
+        # piece (e.g. [1] of size 0 beside [1] of size 1), and DCP's de-duplication by offset would
+        # then keep either. An empty tensor is still described once, by the mesh's first rank.
+        return []
     if self._spec.has_partial:  # kept until DCP asks for the data (the reduction cannot run then)
         self.__dict__["_dcp_value"] = local
-    offsets, sizes = _box(self)
     offsets, sizes = torch.Size(offsets), torch.Size(sizes)
     return [WriteItem(
         index=MetadataIndex(fqn, offsets),
