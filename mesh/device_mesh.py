@@ -7,6 +7,7 @@ built, never later: creation is collective and slow, lookups are a dict access.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -15,6 +16,21 @@ import torch.distributed as dist
 from shardprop.mesh import groups as _groups
 
 DimRef = Union[int, str]
+
+# Every mesh by a small integer key, so a compiled graph can name a mesh as plain data
+# (see DeviceMesh.__fx_repr__); weak values: the registry never keeps a mesh alive.
+_by_key: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
+_next_key = itertools.count()
+
+
+def mesh_by_key(key: int) -> "DeviceMesh":
+    """The live mesh with this key (what a compiled graph's code calls to name a mesh).
+
+    Example:
+        >>> mesh_by_key(mesh._key) is mesh  # doctest: +SKIP
+        True
+    """
+    return _by_key[key]
 
 
 def _combos(ndim: int) -> List[Tuple[int, ...]]:
@@ -51,6 +67,8 @@ class DeviceMesh:
         self._validate()
         self._flat = tuple(self.mesh.flatten().tolist())
         self._hash = hash((device_type, self._flat, tuple(self.mesh.shape), self.mesh_dim_names))
+        self._key = next(_next_key)
+        _by_key[self._key] = self
         me = dist.get_rank()
         where = (self.mesh == me).nonzero()
         self._coord: Optional[Tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
@@ -97,6 +115,18 @@ class DeviceMesh:
             return False
         return (self.device_type, self._flat, self.mesh.shape, self.mesh_dim_names) == (
             other.device_type, other._flat, other.mesh.shape, other.mesh_dim_names)
+
+    def __deepcopy__(self, memo) -> "DeviceMesh":
+        # A mesh owns process groups: a copy would be a second mesh over the same groups.
+        # torch.compile deep-copies guard metadata that holds meshes; they must stay themselves.
+        return self
+
+    def __copy__(self) -> "DeviceMesh":
+        return self
+
+    def __fx_repr__(self):
+        """How generated graph code names this mesh (torch.compile's opaque value-type protocol)."""
+        return f"mesh_by_key({self._key})", {"mesh_by_key": mesh_by_key}
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

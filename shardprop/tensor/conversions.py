@@ -12,10 +12,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
 from shardprop.tensor.redistribute import redistribute_local
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def grad_placements_for(placements):
@@ -91,8 +94,17 @@ class ToLocal(torch.autograd.Function):
 
 class Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt, placements, async_op):
+    def forward(ctx, dt, device_mesh, placements, async_op):
         src = dt._spec
+        mesh = src.mesh
+        if device_mesh is not None and device_mesh != mesh:
+            raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
+                             "redistribution happens within one mesh")
+        if placements is None:
+            raise ValueError("redistribute: give the target placements")
+        if type(placements) is str:  # _REPLICATE_ALL
+            placements = (Replicate(),) * mesh.ndim
+        placements = normalize_placements(placements, dt.ndim, mesh.ndim, "redistribute")
         ctx.src = src
         if src.placements == placements:
             local = dt._local_tensor
@@ -110,7 +122,11 @@ class Redistribute(torch.autograd.Function):
             grad = _dt.DTensor(local, grad._spec.with_placements(target))
         # No scaling: redistribution keeps the value, so the gradient of the value passes as is
         # (the 1/n of an average belongs to from_local, where local values become the value).
-        return grad, None, None
+        return grad, None, None, None
+
+
+# full_tensor's target: Replicate on every mesh dim (a constant torch.compile can put in a graph).
+_REPLICATE_ALL = "replicate on every mesh dim"
 
 
 def _checked_global_shape(local, mesh, placements, shape):
@@ -190,9 +206,9 @@ def to_local(self, *, grad_placements=None) -> torch.Tensor:
     Example:
         >>> dt.to_local().shape  # doctest: +SKIP
     """
-    if not torch.is_grad_enabled() or not self.requires_grad:
-        return self._local_tensor
-    return ToLocal.apply(self, grad_placements)
+    if _is_compiling() or (torch.is_grad_enabled() and self.requires_grad):
+        return ToLocal.apply(self, grad_placements)  # torch.compile puts this call in its graph as is
+    return self._local_tensor
 
 
 def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False) -> "_dt.DTensor":
@@ -201,14 +217,9 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
     Example:
         >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
     """
-    mesh = self._spec.mesh
-    if device_mesh is not None and device_mesh != mesh:
-        raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
-                         "redistribution happens within one mesh")
-    if placements is None:
-        raise ValueError("redistribute: give the target placements")
-    placements = normalize_placements(placements, self.ndim, mesh.ndim, "redistribute")
-    return Redistribute.apply(self, placements, async_op)
+    if placements is not None and type(placements) is not str:
+        placements = tuple(placements)
+    return Redistribute.apply(self, device_mesh, placements, async_op)
 
 
 def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
@@ -217,7 +228,7 @@ def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
     Example:
         >>> dt.full_tensor().shape  # doctest: +SKIP
     """
-    full = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+    full = Redistribute.apply(self, None, _REPLICATE_ALL, False)
     return full.to_local(grad_placements=grad_placements)
 
 
@@ -227,3 +238,8 @@ _dt.DTensor.from_local = staticmethod(from_local)
 _dt.DTensor.to_local = to_local
 _dt.DTensor.redistribute = redistribute
 _dt.DTensor.full_tensor = full_tensor
+
+
+# torch.compile: dynamo cannot trace a wrapper subclass's construction, so it must put these
+# three functions in its graph whole (AOTAutograd then traces through them).
+compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute)

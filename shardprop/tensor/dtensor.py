@@ -58,13 +58,36 @@ class DTensor(torch.Tensor):
         # Replaced by shardprop.dispatch.torch_dispatch when shardprop is imported.
         raise RuntimeError("shardprop.dispatch is not imported: import shardprop")
 
+    # ---- torch.compile: the traceable-subclass protocol ----------------------------------
     def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, self.requires_grad)
+        """Inner tensor: the local shard. Context: (mesh, placements, requires_grad).
+
+        The context is what compiled code guards on (by equality, after a deep copy that keeps
+        meshes and specs themselves). The global shape is left out: it is the outer tensor's
+        own size, which torch.compile tracks (and may make dynamic) on its own.
+        """
+        spec = self._spec
+        return ["_local_tensor"], (spec.mesh, spec.placements, self.requires_grad)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        spec, requires_grad = flatten_spec
-        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+        mesh, placements, requires_grad = flatten_spec
+        local = inner_tensors["_local_tensor"]
+        spec = make_spec(mesh, placements, outer_size, outer_stride, local.dtype)
+        return DTensor(local, spec, requires_grad=requires_grad)
+
+    def __coerce_tangent_metadata__(self):
+        # A Partial gradient flowing into a compiled backward becomes Replicate (one all-reduce),
+        # so the tangent's layout does not depend on how this rank's backward produced it.
+        if not self._spec.has_partial:
+            return self
+        from shardprop.tensor.conversions import grad_placements_for
+        return self.redistribute(placements=grad_placements_for(self._spec.placements))
+
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        if expected_type is not None:
+            return None
+        return self.redistribute(placements=flatten_spec[1])
 
     # ---- public API -------------------------------------------------------------------
     @property
