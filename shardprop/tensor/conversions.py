@@ -56,6 +56,8 @@ class FromLocal(torch.autograd.Function):
             for m, p in enumerate(placements):
                 if type(p) is Shard:
                     shape[p.dim] *= mesh.shape[m]
+        if stride is None:
+            stride = _dt.stride_like(local, shape)
         spec = _dt.make_spec(mesh, placements, shape, stride, local.dtype)
         ctx.spec = spec
         return _dt.DTensor(local.view_as(local), spec, requires_grad=False)
@@ -89,6 +91,9 @@ class ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.grad_spec
+        stride = _dt.stride_like(grad, spec.shape)
+        if stride != spec.tensor_meta.stride:  # the gradient's memory order, not the forward's
+            spec = _dt.make_spec(spec.mesh, spec.placements, spec.shape, stride, spec.dtype)
         return _dt.DTensor(grad, spec, requires_grad=False), None
 
 

@@ -20,6 +20,30 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
+def stride_like(local: torch.Tensor, shape) -> tuple:
+    """Global strides for ``shape`` that keep ``local``'s dim order (contiguous when ``local`` is).
+
+    A DTensor's strides must describe its shard's memory order: view ops decide from
+    the outer strides whether a view is possible, then run on the shard.
+
+    Example:
+        >>> stride_like(torch.ones(3, 4).t(), (8, 3))
+        (1, 8)
+    """
+    if local.is_contiguous():
+        return _contiguous_stride(shape)
+    st = local.stride()
+    n = len(shape)
+    if 0 in st or all(st[i] >= st[i + 1] for i in range(n - 1)):  # expanded or only sliced: keep row-major
+        return _contiguous_stride(shape)
+    order = sorted(range(n), key=lambda d: (-st[d], d))  # outermost memory dim first
+    out, acc = [0] * n, 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(out)
+
+
 class DTensor(torch.Tensor):
     """A tensor distributed over a DeviceMesh.
 
