@@ -153,10 +153,8 @@ def _functional(kind: str, t: torch.Tensor, group, n: int, op: str = "sum", out_
         out = f.reduce_scatter_tensor(t, rop, n, name)
     elif kind == "all_reduce":
         out = f.all_reduce(t, rop, name)
-    elif kind == "all_to_all":
+    else:  # all_to_all
         out = f.all_to_all_single(t, list(out_split), list(in_split), name)
-    else:  # broadcast
-        out = f.broadcast(t, op, name)
     return f.wait_tensor(out)
 
 
@@ -281,6 +279,9 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     t = wait_all(t)
     if _counters:
         _count("broadcast", t)
+    if type(t) is not torch.Tensor and is_traced(t):  # functional: a new tensor, not in place
+        f = torch.ops._c10d_functional
+        return f.wait_tensor(f.broadcast(t.contiguous(), src, group.group_name))
     work = dist.broadcast(t, src=ranks[src], group=group, async_op=async_op)
     return _finish(t, work, async_op)
 

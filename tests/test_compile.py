@@ -6,7 +6,7 @@ model run eagerly on full tensors (each rank builds that reference itself):
 - the AOT graph of a ColwiseParallel -> RowwiseParallel MLP holds exactly one
   ``_c10d_functional.all_reduce`` + ``wait_tensor`` forward, no collective backward
   (its input needs no gradient) and no DTensor anywhere; inductor runs it too;
-- from_local / redistribute / to_local / full_tensor inside one ``fullgraph=True`` function;
+- from_local / distribute_tensor / redistribute / to_local / full_tensor in one ``fullgraph=True`` function;
 - the demo Llama with each transformer block compiled ``fullgraph=True`` (``eager`` backend),
   and the whole model under ``aot_eager`` with no graph break at all;
 - dynamic shapes: a new sequence length reuses the graph (no recompile);
@@ -134,7 +134,7 @@ def _mlp_cases(with_inductor):
 
 
 def _conversions():
-    """from_local, redistribute (gather, reduce, scatter), to_local and full_tensor in one graph."""
+    """from_local, distribute_tensor, redistribute (gather, reduce, scatter), to_local, full_tensor in one graph."""
     import shardprop as sp
     from shardprop import Partial, Replicate, Shard
     torch._dynamo.reset()
@@ -147,6 +147,8 @@ def _conversions():
 
     def fn(local, w):
         x = sp.DTensor.from_local(local, mesh, [Shard(0)])          # rows split
+        d = sp.distribute_tensor(w, mesh, [Shard(1)])                 # rank 0's w, columns split
+        w = d.redistribute(placements=[Replicate()]).to_local()       # all-gather: w again
         y = x.redistribute(placements=[Replicate()])                  # all-gather
         p = sp.DTensor.from_local(y.to_local() @ w, mesh, [Partial()])  # each rank a partial sum
         s = p.redistribute(placements=[Shard(1)])                     # reduce-scatter

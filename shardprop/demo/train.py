@@ -2,6 +2,7 @@
 
     python -m shardprop.demo [--nproc 4] [--mesh 2x2|4|1x4] [--steps 20] [--dim 64] [--layers 2] [--seed 0]
     torchrun --nproc-per-node 4 -m shardprop.demo
+    python -m shardprop.demo --compile     # the same training under torch.compile (inductor)
     python -m shardprop.demo --tour        # the older tour: one tensor through every placement
 
 Spawns CPU ranks (gloo on 127.0.0.1) unless started by torchrun; with two or more
@@ -96,6 +97,11 @@ def train(args, mesh, say=print):
         raise SystemExit(f"--batch {args.batch} does not split evenly over dp={dp.size()}")
     model = build(cfg, mesh, args.seed, args.loss_parallel)
     opt = make_optimizer(args.optimizer, model.parameters())
+    # --compile: the forward and backward run as compiled graphs (collectives inside them).
+    run = torch.compile(model, backend=args.compile) if getattr(args, "compile", None) else model
+    if run is not model:
+        say(f"torch.compile (backend {args.compile}): step 1 compiles; collectives inside the compiled graphs "
+            "are counted once, while tracing, and not on later steps")
     # Averages gradients over dp in bucketed async all-reduces launched from autograd hooks.
     sync = replicate_gradients(model, mesh, "dp") if dp is not None else None
     rows = sync.split_batch if sync is not None else (lambda t: t)
@@ -106,7 +112,7 @@ def train(args, mesh, say=print):
         with comm_counter() as c:
             # loss_parallel: cross-entropy on the vocab-sharded logits, never gathered.
             with (loss_parallel() if args.loss_parallel else nullcontext()):
-                loss = lm_loss(model(tokens), targets)
+                loss = lm_loss(run(tokens), targets)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
             if sync is not None:
@@ -235,6 +241,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--loss-parallel", action="store_true", help="vocab-sharded logits with shardprop.loss_parallel")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="train under torch.compile (backend: inductor, or e.g. aot_eager)")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
     return p
 
