@@ -105,8 +105,8 @@ class DTensor(torch.Tensor):
         # so the tangent's layout does not depend on how this rank's backward produced it.
         if not self._spec.has_partial:
             return self
-        from shardprop.tensor.conversions import grad_placements_for
-        return self.redistribute(placements=grad_placements_for(self._spec.placements))
+        return self.redistribute(placements=tuple(Replicate() if type(p) is Partial else p
+                                                  for p in self._spec.placements))
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
         if expected_type is not None:
