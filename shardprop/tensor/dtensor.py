@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 
