@@ -9,7 +9,8 @@ model run eagerly on full tensors (each rank builds that reference itself):
 - from_local / distribute_tensor / redistribute / to_local / full_tensor in one ``fullgraph=True`` function;
 - the demo Llama with each transformer block compiled ``fullgraph=True`` (``eager`` backend),
   and the whole model under ``aot_eager`` with no graph break at all;
-- dynamic shapes: a new sequence length reuses the graph (no recompile);
+- dynamic shapes: a new batch size (MLP) or sequence length (the demo model: slow, SHARDPROP_SLOW=1)
+  reuses the graph (no recompile);
 - an op with no rule raises the ShardingError message while tracing;
 - dropout in a compiled block reproduces the single-process eager run.
 
@@ -165,6 +166,16 @@ def _conversions():
     eager_local = local.detach().clone().requires_grad_(True)
     fn(eager_local, w)[0].backward()
     _close(errors, "grad of the local rows", local.grad, eager_local.grad)
+    # The tangent protocol AOTAutograd calls on incoming gradients: Partial becomes Replicate.
+    p = sp.DTensor.from_local(torch.full((2, 3), float(rank + 1)), mesh, [Partial()])
+    t = p.__coerce_tangent_metadata__()
+    if tuple(t.placements) != (Replicate(),):
+        errors.append(f"tangent coerced to {t.placements}, expected [R]")
+    _close(errors, "coerced tangent", t.to_local(), torch.full((2, 3), 3.0))
+    s1 = sp.DTensor.from_local(torch.ones(2, 3), mesh, [Replicate()])
+    same = s1.__coerce_same_metadata_as_tangent__(s1.__tensor_flatten__()[1])
+    if tuple(same.placements) != (Replicate(),):
+        errors.append(f"coerce_same_metadata_as_tangent gave {same.placements}")
     return errors
 
 
@@ -208,6 +219,38 @@ def _blocks_and_whole():
         errors.append(f"graph breaks in the whole model: {dict(counters['graph_break'])}")
     if counters["stats"]["unique_graphs"] != 1:
         errors.append(f"{counters['stats']['unique_graphs']} graphs for the whole model, expected 1")
+    return errors
+
+
+def _dynamic_batch_mlp():
+    """mark_dynamic on the batch dim of a colwise->rowwise MLP: matmul, pointwise, view and the
+    backward's sum reduction on symbolic sizes; three batch sizes, one graph."""
+    import shardprop as sp
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = sp.init_device_mesh("cpu", (2,))
+    errors = []
+    torch.manual_seed(0)
+    ref = _MLP()
+    model = _MLP()
+    model.load_state_dict(ref.state_dict())
+    sp.parallelize_module(model, mesh, {"up": sp.ColwiseParallel(), "down": sp.RowwiseParallel()})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for n in (5, 7, 9):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        model.zero_grad()
+        ref.zero_grad()
+        out = compiled(x)
+        (out * out).mean().backward()
+        want = ref(x)
+        (want * want).mean().backward()
+        _close(errors, f"batch {n} out", out, want)
+        _grads(errors, f"batch {n}", model, ref)
+    graphs = counters["stats"]["unique_graphs"]
+    if graphs != 1:
+        errors.append(f"{graphs} graphs for 3 batch sizes, expected 1 (recompiled per size)")
     return errors
 
 
@@ -316,6 +359,11 @@ def test_demo_blocks_fullgraph_and_whole_model():
     _report(run_on_ranks(2, _blocks_and_whole, timeout=240))
 
 
+def test_dynamic_batch_no_recompile():
+    _report(run_on_ranks(2, _dynamic_batch_mlp, timeout=120))
+
+
+@pytest.mark.slow
 def test_dynamic_sequence_length_no_recompile():
     _report(run_on_ranks(2, _dynamic_seq, timeout=240))
 

@@ -85,18 +85,21 @@ class DTensor(torch.Tensor):
 
     # ---- torch.compile: the traceable-subclass protocol ----------------------------------
     def __tensor_flatten__(self):
-        """Inner tensor: the local shard. Context: (mesh, placements, requires_grad).
+        """Inner tensor: the local shard. Context: (mesh, placements, requires_grad, coordinate).
 
         The context is what compiled code guards on (by equality, after a deep copy that keeps
-        meshes and specs themselves). The global shape is left out: it is the outer tensor's
-        own size, which torch.compile tracks (and may make dynamic) on its own.
+        meshes themselves). The global shape is left out: it is the outer tensor's own size,
+        which torch.compile tracks (and may make dynamic) on its own. The rank's mesh
+        coordinate is in it because the traced graph depends on it (which chunk a rank cuts,
+        which rank keeps a Partial value): compile caches keyed on the context must not hand
+        one rank's graph to another.
         """
         spec = self._spec
-        return ["_local_tensor"], (spec.mesh, spec.placements, self.requires_grad)
+        return ["_local_tensor"], (spec.mesh, spec.placements, self.requires_grad, spec.mesh._coord)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        mesh, placements, requires_grad = flatten_spec
+        mesh, placements, requires_grad, _ = flatten_spec
         local = inner_tensors["_local_tensor"]
         spec = make_spec(mesh, placements, outer_size, outer_stride, local.dtype)
         return DTensor(local, spec, requires_grad=requires_grad)
