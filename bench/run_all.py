@@ -28,6 +28,8 @@ BENCHMARKS = {
     "redistribute": "redistribute.py",
     "dispatch": "dispatch.py",
     "tp": "tp.py",
+    "dispatch_census": "dispatch_census.py",
+    "checkpoint": "checkpoint.py",
 }
 
 

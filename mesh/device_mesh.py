@@ -103,6 +103,15 @@ class DeviceMesh:
         bad = [r for r in flat if r < 0 or r >= dist.get_world_size()]
         if bad:
             raise ValueError(f"DeviceMesh: ranks {bad} are outside the world of size {dist.get_world_size()}")
+        # c10d orders a group's members by global rank, and every collective here puts rank i's piece
+        # at mesh index i: along a mesh dim the two orders must agree, or data lands on the wrong rank.
+        for d in range(self.mesh.ndim):
+            for ranks in _rank_lists(self.mesh, (d,)):
+                if ranks != sorted(ranks):
+                    raise ValueError(
+                        f"DeviceMesh: along mesh dim {d} the ranks {ranks} are not in ascending order (mesh "
+                        f"{self.mesh.tolist()}); process groups order their members by rank, so each mesh dim must "
+                        "list its ranks in ascending order (transpose or relabel the mesh)")
 
     # ---- identity -------------------------------------------------------------
     def __hash__(self) -> int:

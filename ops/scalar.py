@@ -33,6 +33,12 @@ def _same_size(op, args, kwargs):
     return args[0].shape == args[1].shape
 
 
+def _is_pinned(op, args, kwargs):
+    # Whether this rank's shard is in pinned memory (torch.distributed.checkpoint and staging ask).
+    return op(args[0]._local_tensor, *args[1:], **kwargs)
+
+
 register_special(aten._local_scalar_dense.default, _item)
+register_special(aten.is_pinned.default, _is_pinned)
 register_special(aten.equal.default, _equal)
 register_special(aten.is_same_size.default, _same_size)

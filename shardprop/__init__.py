@@ -20,6 +20,12 @@ from shardprop.parallel.loss_parallel import loss_parallel  # noqa: E402
 from shardprop.mesh.collectives import CommCounter, comm_counter  # noqa: E402
 from shardprop.dispatch.random_ops import manual_seed  # noqa: E402  (also registers the random-op handlers)
 from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
+from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading, full_state_dict, load_full_state_dict  # noqa: E402  (also attaches the DCP protocol and cross-mesh moves)
+from shardprop.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
+from shardprop.parallel import parallelize as _parallelize  # noqa: E402
+
+# A parallelized module's load_state_dict takes plain full tensors (parallel may not import checkpoint).
+_parallelize.on_distributed.append(enable_full_state_dict_loading)
 
 __all__ = [
     "distribute_module", "parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
@@ -27,5 +33,6 @@ __all__ = [
     "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "ShardingError",
     "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain", "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
     "print_cache_stats", "register_sharding", "set_cache_size", "set_decompose_fallback", "set_fallback_to_replicate",
-    "unregister_sharding",
+    "unregister_sharding", "full_state_dict", "load_full_state_dict", "enable_full_state_dict_loading",
+    "get_optimizer_state_dict", "set_optimizer_state_dict",
 ]

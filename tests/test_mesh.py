@@ -259,11 +259,12 @@ def _error_job(case):
         local = torch.ones(2, 3) if r != 1 else torch.ones(2, 3, 1)
         with pytest.raises(ValueError) as info:
             DTensor.from_local(local, mesh, [Shard(0), Replicate()], run_check=True)
-    elif case == "redistribute to another mesh":
+    elif case == "redistribute without placements":
+        # (a move to another mesh works now: tests/test_cross_mesh.py)
         other = init_device_mesh("cpu", (4,))
         x = distribute_tensor(t, mesh, [Shard(0), Replicate()])
         with pytest.raises(ValueError) as info:
-            x.redistribute(other, [Replicate()])
+            x.redistribute(other)
     else:
         raise AssertionError(case)
     return str(info.value), _in_step()
@@ -280,7 +281,7 @@ def _error_job(case):
     ("unknown dim name in get_group", ["pp"]),
     ("from_local run_check shapes", ["inconsistent", "rank 3"]),
     ("from_local run_check ndim", ["inconsistent"]),
-    ("redistribute to another mesh", ["different mesh"]),
+    ("redistribute without placements", ["give the target placements"]),
 ])
 def test_errors_are_clear_and_on_every_rank(case, words):
     results = run_on_ranks(4, _error_job, case, timeout=ERROR_TIMEOUT)
@@ -327,3 +328,32 @@ def test_op_on_dtensors_of_different_meshes_raises_everywhere():
         assert is_runtime_error and "different meshes" in msg, f"rank {r}: {msg}"
         assert "[[0, 1], [2, 3]]" in msg and "[0, 1, 2, 3]" in msg, f"rank {r}: {msg}"
         assert in_step == 4
+
+
+# ---------------------------------------------------------------- rank order along mesh dims
+
+
+def _rank_order_cases():
+    from shardprop import DeviceMesh
+    out = {}
+    try:  # along its only dim this mesh lists ranks out of order: groups would misplace the data
+        DeviceMesh("cpu", [1, 0, 3, 2])
+        out["unordered"] = None
+    except ValueError as e:
+        out["unordered"] = str(e)
+    # A transposed 2-d mesh is fine along each dim; the fused gather over both dims must not be used.
+    mesh = DeviceMesh("cpu", [[0, 2], [1, 3]])
+    full = torch.arange(48.).reshape(8, 6)
+    dt = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
+    out["full_ok"] = bool(torch.equal(dt.full_tensor(), full))
+    dt = distribute_tensor(full, mesh, [Shard(0), Shard(0)])
+    out["nested_ok"] = bool(torch.equal(dt.full_tensor(), full))
+    out["in_step"] = _in_step()
+    return out
+
+
+def test_mesh_dims_must_list_ranks_in_ascending_order():
+    for r in run_on_ranks(4, _rank_order_cases, timeout=ERROR_TIMEOUT):
+        assert r["unordered"] is not None and "ascending order" in r["unordered"], r
+        assert r["full_ok"] and r["nested_ok"], r
+        assert r["in_step"] == 4

@@ -3,3 +3,4 @@
 
 Imports ``shardprop.tensor`` and ``shardprop.mesh``; it attaches protocol methods and hooks to the tensor room.
 """
+from shardprop.checkpoint import cross_mesh, dcp  # noqa: F401,E402  (attach the DCP protocol and the cross-mesh hook)

@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 4 -m shardprop.demo
     python -m shardprop.demo --compile     # the same training under torch.compile (inductor)
     python -m shardprop.demo --tour        # the older tour: one tensor through every placement
+    python -m shardprop.demo --steps 10 --checkpoint ckpt              # save at the end (DCP)
+    python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
 
 Spawns CPU ranks (gloo on 127.0.0.1) unless started by torchrun; with two or more
 GPUs it uses CUDA/NCCL. On a ``("dp", "tp")`` mesh the model is parallelized over
@@ -11,7 +13,10 @@ GPUs it uses CUDA/NCCL. On a ``("dp", "tp")`` mesh the model is parallelized ove
 the same synthetic batch, and gradients are averaged over ``dp`` with bucketed
 all-reduces. Every step prints the loss and the collectives this rank issued;
 the end prints the cache statistics and compares every loss with a one-process run
-of the same model (PASS within 1e-4 relative).
+of the same model (PASS within 1e-4 relative). ``--checkpoint DIR`` saves model and
+optimizer state with ``torch.distributed.checkpoint`` at the end; ``--resume DIR`` loads
+them (written with any mesh: loading reshards) and trains on from the saved step to
+``--steps``, and its losses are compared with the same steps of an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -97,6 +102,7 @@ def train(args, mesh, say=print):
         raise SystemExit(f"--batch {args.batch} does not split evenly over dp={dp.size()}")
     model = build(cfg, mesh, args.seed, args.loss_parallel)
     opt = make_optimizer(args.optimizer, model.parameters())
+    start = resume(args.resume, model, opt, say) if args.resume else 0
     # --compile: the forward and backward run as compiled graphs (collectives inside them).
     run = torch.compile(model, backend=args.compile) if getattr(args, "compile", None) else model
     if run is not model:
@@ -106,7 +112,7 @@ def train(args, mesh, say=print):
     sync = replicate_gradients(model, mesh, "dp") if dp is not None else None
     rows = sync.split_batch if sync is not None else (lambda t: t)
     losses, counts, times = [], [], []
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         tokens, targets = (rows(t).to(device) for t in synthetic_batch(cfg, args.batch, step, args.seed))
         t0 = time.perf_counter()
         with comm_counter() as c:
@@ -127,7 +133,33 @@ def train(args, mesh, say=print):
         losses.append(value.item())
         say(f"step {step + 1:3d}/{args.steps}  loss {losses[-1]:.5f}  {times[-1] * 1e3:7.1f} ms  "
             f"collectives: {_fmt_counts(counts[-1])}")
+    if args.checkpoint:
+        save_checkpoint(args.checkpoint, model, opt, args.steps, say)
     return losses, counts, times
+
+
+def _checkpoint_state(model, opt, step: int) -> dict:
+    from shardprop import get_optimizer_state_dict
+    return {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt), "step": step}
+
+
+def save_checkpoint(path: str, model, opt, step: int, say=print) -> None:
+    """Save model and optimizer with torch.distributed.checkpoint (each rank writes its own shards)."""
+    import torch.distributed.checkpoint as dcp
+    t0 = time.perf_counter()
+    dcp.save(_checkpoint_state(model, opt, step), checkpoint_id=path)
+    say(f"saved a checkpoint of step {step} to {path} ({time.perf_counter() - t0:.2f} s)")
+
+
+def resume(path: str, model, opt, say=print) -> int:
+    """Load model and optimizer from ``path`` (any mesh may have written it); return the step to continue from."""
+    import torch.distributed.checkpoint as dcp
+    from shardprop import set_optimizer_state_dict
+    state = _checkpoint_state(model, opt, 0)
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    say(f"resumed from {path} at step {state['step']}")
+    return int(state["step"])
 
 
 def config_from(args) -> LlamaConfig:
@@ -135,14 +167,14 @@ def config_from(args) -> LlamaConfig:
                        seq_len=args.seq)
 
 
-def compare(ours: List[float], ref: List[float], say=print) -> float:
-    """Print the losses side by side; return the largest relative difference."""
+def compare(ours: List[float], ref: List[float], say=print, first: int = 1) -> float:
+    """Print the losses side by side (steps numbered from ``first``); return the largest relative difference."""
     say(f"\n{'step':>4}  {'one process':>12}  {'ours':>12}  {'rel diff':>9}")
     worst = 0.0
     for i, (a, b) in enumerate(zip(ours, ref)):
         rel = abs(a - b) / max(abs(b), 1e-12)
         worst = max(worst, rel)
-        say(f"{i + 1:4d}  {b:12.6f}  {a:12.6f}  {rel:9.2e}")
+        say(f"{i + first:4d}  {b:12.6f}  {a:12.6f}  {rel:9.2e}")
     return worst
 
 
@@ -163,14 +195,17 @@ def rank_main(args) -> dict:
     t0 = time.perf_counter()
     losses, counts, times = train(args, mesh, say)
     elapsed = time.perf_counter() - t0
-    say(f"\n{args.steps} steps in {elapsed:.1f} s (median {1e3 * sorted(times)[len(times) // 2]:.1f} ms/step)")
+    if times:
+        say(f"\n{len(times)} steps in {elapsed:.1f} s (median {1e3 * sorted(times)[len(times) // 2]:.1f} ms/step)")
     say("\ncache statistics (rank 0):")
     if rank == 0:
         shardprop.print_cache_stats()
     summary = dict(losses=losses, counts=counts, ok=None, max_rel=None)
     if rank == 0:
+        # A resumed run did the last len(losses) steps of an uninterrupted one: compare with those.
         ref = reference_losses(cfg, args.steps, args.batch, args.seed, args.optimizer, device=device)
-        worst = compare(losses, ref, say)
+        ref = ref[len(ref) - len(losses):]
+        worst = compare(losses, ref, say, first=args.steps - len(losses) + 1)
         ok = worst <= RTOL
         say(f"\nmax relative difference {worst:.2e} (tolerance {RTOL:g}): {'PASS' if ok else 'FAIL'}")
         summary.update(reference=ref, ok=ok, max_rel=worst)
@@ -241,6 +276,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--loss-parallel", action="store_true", help="vocab-sharded logits with shardprop.loss_parallel")
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="at the end, save model and AdamW state to DIR with torch.distributed.checkpoint")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="load model and optimizer from DIR (saved with any --mesh) and continue up to --steps")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="train under torch.compile (backend: inductor, or e.g. aot_eager)")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")

@@ -16,6 +16,17 @@ from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Replicate
 
 
+# Callables run on a module once distribute_module / parallelize_module has laid it out. Rooms above
+# this one add to it (shardprop.checkpoint: let load_state_dict take plain full tensors).
+on_distributed: List[Callable[[nn.Module], None]] = []
+
+
+def _distributed(module: nn.Module) -> nn.Module:
+    for hook in on_distributed:
+        hook(module)
+    return module
+
+
 def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Callable] = None,
                       input_fn: Optional[Callable] = None, output_fn: Optional[Callable] = None) -> nn.Module:
     """Make every parameter and buffer of ``module`` a DTensor on ``device_mesh``; add input/output hooks.
@@ -45,7 +56,7 @@ def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Cal
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None:
         module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
-    return module
+    return _distributed(module)
 
 
 def _replicate_buffers(sub: nn.Module, mesh) -> None:
@@ -127,7 +138,7 @@ def parallelize_module(module: nn.Module, device_mesh, parallelize_plan: Plan) -
         raise ValueError(f"parallelize_module: tensor parallelism needs a 1-d mesh, got a {mesh.ndim}-d mesh "
                          f"{mesh}; pass the tensor-parallel sub-mesh, e.g. {hint}")
     if isinstance(parallelize_plan, ParallelStyle):
-        return parallelize_plan._apply(module, mesh, "")
+        return _distributed(parallelize_plan._apply(module, mesh, ""))
     if not isinstance(parallelize_plan, dict):
         raise TypeError(f"parallelize_module: the plan must be a ParallelStyle or a dict of name -> style, "
                         f"not {type(parallelize_plan).__name__}")
@@ -143,7 +154,7 @@ def parallelize_module(module: nn.Module, device_mesh, parallelize_plan: Plan) -
                              f"of {type(module).__name__}; its children are {[n for n, _ in module.named_children()]}")
         for name, sub in matches:
             style._apply(sub, mesh, name)
-    return module
+    return _distributed(module)
 
 
 __all__ = ["distribute_module", "parallelize_module", "match_submodules"]

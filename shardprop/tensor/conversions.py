@@ -146,6 +146,7 @@ def _checked_global_shape(local, mesh, placements, shape):
     everyone = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(everyone, mine, group=group)
     everyone = [e.cpu().tolist() for e in everyone]
+    ranks = sorted(ranks)  # all_gather fills in group order, which is ascending global rank
     coords = {r: tuple(c) for r, c in zip(ranks, _coords_of(mesh, ranks))}
     problems = []
     if len({(e[0], e[1]) for e in everyone}) != 1:
@@ -216,14 +217,32 @@ def to_local(self, *, grad_placements=None) -> torch.Tensor:
     return self._local_tensor
 
 
+# Set by shardprop.checkpoint (a room above this one): ``f(dt, mesh, placements, async_op)`` moves a
+# DTensor to a different mesh. None: redistribution stays within one mesh.
+other_mesh_redistribute = None
+
+
 def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False) -> "_dt.DTensor":
     """The same tensor laid out with ``placements`` (differentiable).
+
+    A ``device_mesh`` other than this tensor's moves it to that mesh (see
+    ``shardprop.checkpoint.cross_mesh``; every rank of both meshes must call it).
 
     Example:
         >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
     """
+    if device_mesh is not None and not _is_compiling() and device_mesh != self._spec.mesh:
+        if other_mesh_redistribute is None:
+            raise ValueError(f"redistribute: cannot move a DTensor from {self._spec.mesh} to a different mesh "
+                             f"{device_mesh}; redistribution happens within one mesh (import shardprop for "
+                             "cross-mesh moves)")
+        if placements is None:
+            raise ValueError("redistribute: give the target placements")
+        return other_mesh_redistribute(self, device_mesh, placements, async_op)
     if placements is not None and type(placements) is not str:
         placements = tuple(placements)
+    # The same-mesh checks run inside (torch.compile records this call whole; a move to another
+    # mesh is not supported under torch.compile and raises there).
     return Redistribute.apply(self, device_mesh, placements, async_op)
 
 

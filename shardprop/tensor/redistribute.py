@@ -170,7 +170,11 @@ def _fuse_gathers(steps: List[Step], gathers: List[int], spec: DTensorSpec) -> L
     src = spec.placements
     tensor_dims = {src[m].dim for m in dims}
     others_touch = any(type(p) is Shard and p.dim in tensor_dims for m, p in enumerate(src) if m not in dims)
-    if others_touch or spec.mesh.group_for(dims) is None or not is_even(spec.shape, spec.mesh.shape, src):
+    group = spec.mesh.group_for(dims)
+    # One gather over several mesh dims puts pieces in the group's (ascending rank) order: fuse only when
+    # that is the mesh's row-major order, e.g. not on [[0, 2], [1, 3]].
+    in_order = group is not None and list(group[1]) == sorted(group[1])
+    if others_touch or not in_order or not is_even(spec.shape, spec.mesh.shape, src):
         return steps
     cur = list(src)
     for s in steps:  # all-to-alls may come first in phase 1; they never touch these dims

@@ -1,0 +1,167 @@
+"""Moving a DTensor to another mesh: ``dt.redistribute(other_mesh, placements)``.
+
+The meshes may cover the same ranks (1-d 4 <-> 2x2), overlapping ones, or disjoint ones
+(ranks 0-1 -> ranks 2-3: a pipeline hand-off, a train -> inference weight move). Each rank
+sends exactly the overlap of its box with each target box (:func:`chunks.plan_transfers`,
+the box arithmetic the DCP protocol also uses), point-to-point on the default group in one
+``dist.batch_isend_irecv``; a piece a rank already holds is copied locally. Partial sources
+are reduced on their own mesh first; a Partial target is made from the replicated value
+locally (no communication).
+
+Every rank of either mesh must call it with a DTensor of the source spec; a rank outside the
+source mesh passes a placeholder, e.g. ``DTensor.from_local(torch.empty((0,) * ndim), src_mesh,
+placements, shape=global_shape)``, and a rank in neither mesh does nothing. Ranks outside
+the target mesh get a DTensor with an empty local tensor.
+
+Autograd: when both meshes cover the same set of ranks, the gradient is moved back the same
+way (every rank takes part in the backward, as in the forward). Between different rank sets
+the backward raises: the ranks that only sent would never run it, so it cannot be collective.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from shardprop.checkpoint.chunks import narrow, plan_transfers, relative, shard_box
+from shardprop.mesh import collectives as C
+from shardprop.mesh.async_tensor import wait_all
+from shardprop.tensor import conversions as _conv
+from shardprop.tensor.dtensor import DTensor, make_spec
+from shardprop.tensor.placement import Partial, Replicate, normalize_placements
+from shardprop.tensor.redistribute import redistribute_local
+
+
+def _no_partial(placements):
+    return tuple(Replicate() if type(p) is Partial else p for p in placements)
+
+
+def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
+    """This rank's shard of the tensor ``src_spec`` describes, laid out on ``dst_mesh`` as ``dst_placements``.
+
+    ``local`` is this rank's source shard (ignored outside the source mesh). Returns the new
+    shard (an empty tensor outside ``dst_mesh``).
+
+    Example:
+        >>> local = move_local(dt.to_local(), dt._spec, mesh_23, (Shard(0),))  # doctest: +SKIP
+    """
+    src_mesh, shape, dtype = src_spec.mesh, tuple(src_spec.shape), src_spec.dtype
+    src_placements = src_spec.placements
+    in_src, in_dst = src_mesh._coord is not None, dst_mesh._coord is not None
+    nothing = (0,) * len(shape) if shape else (0,)  # the local tensor of a rank outside a mesh
+    if not (in_src or in_dst):
+        return torch.empty(nothing, dtype=dtype)
+    if in_src:
+        local = wait_all(local)
+        if src_spec.has_partial:  # the value must exist before pieces of it can move
+            local = redistribute_local(local, src_spec, _no_partial(src_placements))
+    src_placements = _no_partial(src_placements)
+    target = _no_partial(dst_placements)
+    device = local.device if in_src else _device_of(dst_mesh)
+    me = dist.get_rank()
+    mine_src = shard_box(shape, src_mesh.shape, src_mesh._coord, src_placements) if in_src else None
+    mine_dst = shard_box(shape, dst_mesh.shape, dst_mesh._coord, target) if in_dst else None
+    out = torch.empty(mine_dst[1] if in_dst else nothing, dtype=dtype, device=device)
+    ops, received = [], []
+    for tag, t in enumerate(plan_transfers(shape, src_mesh, src_placements, dst_mesh, target)):
+        if t.src == me and t.dst == me:
+            narrow(out, relative(t.box, mine_dst)).copy_(narrow(local, relative(t.box, mine_src)))
+        elif t.src == me:
+            buf = narrow(local, relative(t.box, mine_src)).contiguous()
+            C._count("send", buf)
+            ops.append(dist.P2POp(dist.isend, buf, t.dst, tag=tag))
+        elif t.dst == me:
+            view = narrow(out, relative(t.box, mine_dst))
+            direct = view.is_contiguous()  # receive in place when the piece is one run of memory
+            buf = view if direct else torch.empty(t.box[1], dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=tag))
+            if not direct:
+                received.append((view, buf))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for view, buf in received:
+        view.copy_(buf)
+    if in_dst and tuple(dst_placements) != target:  # Replicate -> Partial is local
+        spec = make_spec(dst_mesh, target, shape, None, dtype)
+        out = redistribute_local(out, spec, tuple(dst_placements))
+    return out
+
+
+@dataclass(frozen=True)
+class RankList:
+    """A 1-d target made of plain global ranks, with no process groups (point-to-point needs none).
+
+    Enough of a mesh for :func:`move_local` and :func:`chunks.plan_transfers` (a Replicate or Shard
+    target): ``RankList.of([0], "cpu")`` is "rank 0 alone", the target of a gather to one rank.
+    """
+
+    device_type: str
+    _flat: Tuple[int, ...]
+    _coord: Optional[Tuple[int]]
+
+    @property
+    def shape(self) -> Tuple[int]:
+        return (len(self._flat),)
+
+    @staticmethod
+    def of(ranks, device_type: str) -> "RankList":
+        """The ranks ``ranks`` (global), seen from this rank."""
+        ranks = tuple(int(r) for r in ranks)
+        me = dist.get_rank()
+        return RankList(device_type, ranks, (ranks.index(me),) if me in ranks else None)
+
+
+def _device_of(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _same_ranks(a, b) -> bool:
+    return set(a._flat) == set(b._flat)
+
+
+class CrossMesh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, dst_mesh, dst_placements):
+        src = dt._spec
+        ctx.src, ctx.dst_mesh = src, dst_mesh
+        local = move_local(dt._local_tensor, src, dst_mesh, dst_placements)
+        spec = make_spec(dst_mesh, dst_placements, src.shape, src.tensor_meta.stride, src.dtype)
+        return DTensor(local, spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, dst_mesh = ctx.src, ctx.dst_mesh
+        if not _same_ranks(src.mesh, dst_mesh):
+            raise RuntimeError(
+                f"redistribute to another mesh: no backward from {dst_mesh} to {src.mesh}, which hold different "
+                "ranks (the ranks that only sent would never run it); detach() before moving, or move the "
+                "gradient yourself with redistribute(other_mesh, ...)")
+        _conv._check_partial_grad(src.placements, "cross-mesh redistribute backward")
+        target = _conv.grad_placements_for(src.placements)
+        local = move_local(grad._local_tensor, grad._spec, src.mesh, target)
+        return DTensor(local, src.with_placements(target)), None, None
+
+
+def redistribute_to_mesh(dt: DTensor, device_mesh, placements, async_op: bool = False) -> DTensor:
+    """``dt`` laid out on another mesh (the hook ``DTensor.redistribute`` calls for a different mesh).
+
+    ``async_op`` is accepted for symmetry and ignored: the move waits for its messages.
+
+    Example:
+        >>> y = x.redistribute(mesh_23, [Shard(0)])  # x lives on ranks 0-1; run on all 4 ranks  # doctest: +SKIP
+    """
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    placements = normalize_placements(placements, dt.ndim, device_mesh.ndim, "redistribute")
+    if device_mesh.device_type != dt.device_mesh.device_type:
+        raise ValueError(f"redistribute: cannot move from a {dt.device_mesh.device_type} mesh to a "
+                         f"{device_mesh.device_type} mesh")
+    return CrossMesh.apply(dt, device_mesh, placements)
+
+
+_conv.other_mesh_redistribute = redistribute_to_mesh
