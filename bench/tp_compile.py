@@ -11,8 +11,9 @@ demo's Llama (shardprop.demo.model, AdamW ``foreach=False``) with five contender
 * ``ours eager`` / ``ref eager``: ``tp_plan`` (sequence parallel) under shardprop / torch.distributed.tensor.
 * ``ours compiled`` / ``ref compiled``: the same models under ``torch.compile`` (inductor by default).
 
-One step = forward + backward + optimizer step. After a warm-up (whose first step of a
-compiled contender is its compile time), contenders alternate step by step; a barrier
+One step = forward + backward + optimizer step (the optimizer runs eagerly for everyone);
+forward + backward is also timed on its own. After a warm-up (whose first step of a compiled
+contender is its compile time, from empty inductor caches of its own), contenders alternate; a barrier
 precedes each timed step, each sample is the max over ranks; the table shows medians and
 each median over the floor's median (same run). The first step's loss of every contender
 is checked against the floor's.
@@ -158,23 +159,37 @@ class _Contender:
         self.run = torch.compile(model, backend=args["backend"]) if name.endswith("compiled") else model
 
     def step(self, i):
+        """One training step on batch ``i``: (loss, seconds spent in forward + backward)."""
         from shardprop.demo.model import lm_loss, synthetic_batch
         tokens, targets = synthetic_batch(self.cfg, self.batch, i, self.seed)
+        t0 = time.perf_counter()
         loss = lm_loss(self.run(tokens), targets)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        fwd_bwd = time.perf_counter() - t0
         self.opt.step()
         loss = loss.detach()
-        return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        return (loss.full_tensor() if hasattr(loss, "full_tensor") else loss), fwd_bwd
 
 
 def _timed(fn):
+    """(loss, step seconds, forward+backward seconds), each the max over ranks, after a barrier."""
     dist.barrier()
     t0 = time.perf_counter()
-    out = fn()
-    el = torch.tensor([time.perf_counter() - t0])
+    loss, fwd_bwd = fn()
+    el = torch.tensor([time.perf_counter() - t0, fwd_bwd])
     dist.all_reduce(el, op=dist.ReduceOp.MAX)
-    return out, el.item()
+    return loss, el[0].item(), el[1].item()
+
+
+def _first_step(c):
+    """Step 0; a compiled contender compiles here, from empty inductor caches of its own (a fresh
+    directory and cleared in-memory caches), so no contender reuses kernels another compiled."""
+    if not c.name.endswith("compiled"):
+        return _timed(lambda: c.step(0))
+    from torch._inductor.utils import fresh_cache
+    with fresh_cache(delete=False):
+        return _timed(lambda: c.step(0))
 
 
 def bench_ranks(rank, world, args):
@@ -186,33 +201,42 @@ def bench_ranks(rank, world, args):
     cs = {name: _Contender(name, cfg, args) for name in names}
     first_loss, first_s = {}, {}
     for name, c in cs.items():  # step 0: correctness check, and a compiled contender's compile
-        loss, el = _timed(lambda: c.step(0))
+        loss, el, _ = _first_step(c)
         first_loss[name], first_s[name] = loss.item(), el
     for w in range(1, args["warmup"]):
         for c in cs.values():
             c.step(w)
     samples = {name: [] for name in cs}
+    fb_samples = {name: [] for name in cs}
     step = args["warmup"]
     for _ in range(args["reps"]):
         for name, c in cs.items():
-            samples[name].append(_timed(lambda: c.step(step))[1] * 1e3)
+            _, el, fb = _timed(lambda: c.step(step))
+            samples[name].append(el * 1e3)
+            fb_samples[name].append(fb * 1e3)
         step += 1
     med = {name: statistics.median(s) for name, s in samples.items()}
-    return dict(median_ms=med, samples_ms=samples, first_loss=first_loss, first_step_s=first_s)
+    fb_med = {name: statistics.median(s) for name, s in fb_samples.items()}
+    return dict(median_ms=med, fwd_bwd_median_ms=fb_med, samples_ms=samples, fwd_bwd_samples_ms=fb_samples,
+                first_loss=first_loss, first_step_s=first_s)
 
 
 def report(r, args) -> list:
     from tabulate import tabulate
     med, floor = r["median_ms"], r["median_ms"].get("floor")
+    fb, fb_floor = r["fwd_bwd_median_ms"], r["fwd_bwd_median_ms"].get("floor")
     rows = []
     for name, ms in med.items():
         compile_s = r["first_step_s"][name] - ms / 1e3 if name.endswith("compiled") else None
-        rows.append([name, ms, ms / floor if floor else None, compile_s, r["first_loss"][name]])
+        rows.append([name, ms, ms / floor if floor else None, fb[name], fb[name] / fb_floor if fb_floor else None,
+                     compile_s, r["first_loss"][name]])
     print(f"\ntp={args['world']}: Llama dim {args['dim']}, {args['layers']} layers, seq {args['seq']}, batch "
           f"{args['batch']}; AdamW; gloo, 1 thread per rank; torch.compile backend {args['backend']}; "
           f"median of {args['reps']} interleaved steps, ms = max over ranks\n")
-    print(tabulate(rows, headers=["contender", "ms/step", "x eager floor", "compile s (first step - median)",
-                                  "first loss"], floatfmt=".3f"))
+    print(tabulate(rows, headers=["contender", "ms/step", "x floor", "fwd+bwd ms", "x floor",
+                                  "compile s (first step - median)", "first loss"], floatfmt=".3f"))
+    print("\n(ms/step includes the optimizer step, which runs eagerly for every contender: on DTensor "
+          "parameters through the dispatcher, on plain tensors for the floor)")
     misses = []
     ref_loss = r["first_loss"].get("floor")
     for name, loss in r["first_loss"].items():
