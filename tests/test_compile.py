@@ -12,7 +12,8 @@ model run eagerly on full tensors (each rank builds that reference itself):
 - dynamic shapes: a new batch size (MLP) or sequence length (the demo model: slow, SHARDPROP_SLOW=1)
   reuses the graph (no recompile);
 - an op with no rule raises the ShardingError message while tracing;
-- dropout in a compiled block reproduces the single-process eager run.
+- dropout in a compiled block reproduces the single-process eager run;
+- 2x2 dp x tp: the whole model compiled, gradients averaged over dp by the bucket hooks.
 
 Compiles dominate the time (2 cores): one ``run_on_ranks`` call per group of cases.
 """
@@ -342,6 +343,28 @@ def _dropout():
     return errors
 
 
+def _dp_tp_whole_model():
+    """2x2 dp x tp: the whole model compiled (aot_eager), gradients averaged over dp by the buckets."""
+    import shardprop as sp
+    from shardprop.demo.model import Llama, LlamaConfig, lm_loss, synthetic_batch, tp_plan
+    torch._dynamo.reset()
+    errors = []
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, seq_len=8)
+    mesh = sp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = sp.parallelize_module(Llama(cfg, 0), mesh["tp"], tp_plan())
+    ref = Llama(cfg, 0)
+    sync = sp.replicate_gradients(model, mesh, "dp")
+    tokens, targets = synthetic_batch(cfg, 4, 0)
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = lm_loss(compiled(sync.split_batch(tokens)), sync.split_batch(targets))
+    loss.backward()
+    sync.finish()
+    want = lm_loss(ref(tokens), targets)
+    want.backward()
+    _grads(errors, "dp x tp", model, ref)
+    return errors
+
+
 def _report(results):
     errors = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
     assert not errors, "\n".join(errors)
@@ -374,3 +397,7 @@ def test_no_rule_raises_sharding_error_while_tracing():
 
 def test_dropout_compiled_matches_one_process():
     _report(run_on_ranks(2, _dropout, timeout=120))
+
+
+def test_dp_tp_whole_model_compiled():
+    _report(run_on_ranks(4, _dp_tp_whole_model, timeout=300))
