@@ -136,7 +136,8 @@ def _mlp_cases(with_inductor):
 
 
 def _conversions():
-    """from_local, distribute_tensor, redistribute (gather, reduce, scatter), to_local, full_tensor in one graph."""
+    """from_local, distribute_tensor, redistribute (gather, reduce-scatter, all-to-all, uneven), to_local,
+    full_tensor in one graph."""
     import shardprop as sp
     from shardprop import Partial, Replicate, Shard
     torch._dynamo.reset()
@@ -154,14 +155,17 @@ def _conversions():
         y = x.redistribute(placements=[Replicate()])                  # all-gather
         p = sp.DTensor.from_local(y.to_local() @ w, mesh, [Partial()])  # each rank a partial sum
         s = p.redistribute(placements=[Shard(1)])                     # reduce-scatter
-        return s.full_tensor().sin().sum(), s.to_local()
+        t = s.redistribute(placements=[Shard(0)])                     # all-to-all
+        u = sp.DTensor.from_local(local[:, :5], mesh, [Shard(0)]).redistribute(placements=[Shard(1)])
+        return s.full_tensor().sin().sum() + t.full_tensor().cos().sum(), s.to_local(), u.full_tensor()
 
     local = full.detach()[2 * rank:2 * rank + 2].clone().requires_grad_(True)
-    loss, shard = torch.compile(fn, backend="aot_eager", fullgraph=True)(local, w)
+    loss, shard, uneven = torch.compile(fn, backend="aot_eager", fullgraph=True)(local, w)
     loss.backward()
     full_w = full @ w * 2  # two partial sums of the same product
-    _close(errors, "loss", loss, full_w.sin().sum())
+    _close(errors, "loss", loss, full_w.sin().sum() + full_w.cos().sum())
     _close(errors, "shard", shard, full_w[:, 3 * rank:3 * rank + 3])
+    _close(errors, "uneven all-to-all (5 columns over 2 ranks)", uneven, full[:, :5])
     # Gradients follow DTensor's rules (a Replicate to_local's gradient is not summed over the
     # ranks that used it): the oracle is the same function run eagerly.
     eager_local = local.detach().clone().requires_grad_(True)
