@@ -26,6 +26,7 @@ Targets: ours/ref <= 1.0 and no more collectives per step than the reference.
 Usage::
 
     python bench/tp.py [--reps 10] [--warmup 3] [--dim 64] [--layers 2] [--batch 8] [--json out.json]
+    python bench/tp.py --compile [...]   # torch.compile contenders vs an eager Megatron floor (tp_compile.py)
 """
 from __future__ import annotations
 
@@ -230,6 +231,11 @@ def report(results, args) -> list:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--compile" in argv:  # compiled contenders vs the eager Megatron floor: bench/tp_compile.py
+        from tp_compile import main as compiled_main
+        compiled_main([a for a in argv if a != "--compile"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10, help="timed steps per contender and mesh (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")

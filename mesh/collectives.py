@@ -113,6 +113,51 @@ def resolve(mesh, dims: MeshDims):
     return group, ranks, len(ranks)
 
 
+# ---------------------------------------------------------------- traced (torch.compile)
+# While torch.compile traces, local tensors are fake or functional tensors and a c10d call
+# cannot run on them. The same collectives then go through ``torch.ops._c10d_functional``:
+# they return new tensors, name the group by its string name, and need ``wait_tensor``
+# before use, so the graph carries them and a compiler can move them (seed 003).
+_TRACED_TYPES: tuple = ()
+
+
+def _traced_types() -> tuple:
+    global _TRACED_TYPES
+    if not _TRACED_TYPES:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+        _TRACED_TYPES = (FakeTensor, FunctionalTensor)
+    return _TRACED_TYPES
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake or functional tensor that torch.compile traces, not data.
+
+    Callers test ``type(t) is not torch.Tensor`` first, so eager collectives pay one type check.
+
+    Example:
+        >>> is_traced(torch.ones(2))
+        False
+    """
+    return isinstance(t, _traced_types())
+
+
+def _functional(kind: str, t: torch.Tensor, group, n: int, op: str = "sum", out_split=None, in_split=None):
+    """The traceable twin of one collective: ``_c10d_functional.<kind>`` then ``wait_tensor``."""
+    f = torch.ops._c10d_functional
+    name = group.group_name
+    rop = "sum" if op == "avg" else op  # avg is a sum divided afterwards, as in eager
+    if kind == "all_gather":
+        out = f.all_gather_into_tensor(t, n, name)
+    elif kind == "reduce_scatter":
+        out = f.reduce_scatter_tensor(t, rop, n, name)
+    elif kind == "all_reduce":
+        out = f.all_reduce(t, rop, name)
+    else:  # all_to_all
+        out = f.all_to_all_single(t, list(out_split), list(in_split), name)
+    return f.wait_tensor(out)
+
+
 def _finish(out: torch.Tensor, work, async_op: bool, after=None, shape=None):
     """Return the result now, or an AsyncTensor that runs ``after`` once the work is done."""
     if async_op:
@@ -142,9 +187,12 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     """
     group, _, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
-    out = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:])) if t.ndim else t.new_empty((n,))
     if _counters:
         _count("all_gather", t)
+    if type(t) is not torch.Tensor and is_traced(t):
+        out = _functional("all_gather", t if t.ndim else t.reshape(1), group, n)
+        return finish(out) if finish is not None else out
+    out = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:])) if t.ndim else t.new_empty((n,))
     work = _all_gather_flat(out, t, group=group, async_op=async_op)
     return _finish(out, work, async_op, finish, finish_shape)
 
@@ -161,9 +209,13 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
     """
     group, _, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
-    out = t.new_empty((t.shape[0] // n,) + tuple(t.shape[1:]))
     if _counters:
         _count("reduce_scatter", t)
+    if type(t) is not torch.Tensor and is_traced(t):
+        out = _functional("reduce_scatter", t, group, n, op)
+        out = out / n if op == "avg" else out
+        return finish(out) if finish is not None else out
+    out = t.new_empty((t.shape[0] // n,) + tuple(t.shape[1:]))
     work = _reduce_scatter_flat(out, t, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return _finish(out, work, async_op, _then(_avg(n) if op == "avg" else None, finish), finish_shape)
 
@@ -177,6 +229,11 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     """
     group, _, n = resolve(mesh, dims)
     t = wait_all(t)
+    if type(t) is not torch.Tensor and is_traced(t):
+        if _counters:
+            _count("all_reduce", t)
+        out = _functional("all_reduce", t.contiguous(), group, n, op)
+        return out / n if op == "avg" else out
     out = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
     if _counters:
         _count("all_reduce", out)
@@ -196,11 +253,16 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
     """
     group, _, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
+    if _counters:
+        _count("all_to_all", t)
+    if out is None and type(t) is not torch.Tensor and is_traced(t):
+        even = [t.shape[0] // n] * n
+        res = _functional("all_to_all", t, group, n, out_split=output_split_sizes or even,
+                          in_split=input_split_sizes or even)
+        return finish(res) if finish is not None else res
     if out is None:
         rows = sum(output_split_sizes) if output_split_sizes is not None else t.shape[0]
         out = t.new_empty((rows,) + tuple(t.shape[1:]))
-    if _counters:
-        _count("all_to_all", t)
     work = dist.all_to_all_single(out, t, output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
                                   input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
                                   group=group, async_op=async_op)
@@ -217,6 +279,9 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     t = wait_all(t)
     if _counters:
         _count("broadcast", t)
+    if type(t) is not torch.Tensor and is_traced(t):  # functional: a new tensor, not in place
+        f = torch.ops._c10d_functional
+        return f.wait_tensor(f.broadcast(t.contiguous(), src, group.group_name))
     work = dist.broadcast(t, src=ranks[src], group=group, async_op=async_op)
     return _finish(t, work, async_op)
 

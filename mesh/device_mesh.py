@@ -40,6 +40,21 @@ def _live_meshes() -> List["DeviceMesh"]:
 # First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
 _PICKLED = "shardprop.DeviceMesh/v1"
 
+# Every mesh by a small integer key, so a compiled graph can name a mesh as plain data
+# (see DeviceMesh.__fx_repr__); weak values: the registry never keeps a mesh alive.
+_by_key: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
+_next_key = itertools.count()
+
+
+def mesh_by_key(key: int) -> "DeviceMesh":
+    """The live mesh with this key (what a compiled graph's code calls to name a mesh).
+
+    Example:
+        >>> mesh_by_key(mesh._graph_key) is mesh  # doctest: +SKIP
+        True
+    """
+    return _by_key[key]
+
 
 def _combos(ndim: int) -> List[Tuple[int, ...]]:
     """Every set of mesh dims that gets a group: singles, and larger sets for ndim <= 3."""
@@ -85,6 +100,8 @@ class DeviceMesh:
         self._parent = _parent if isinstance(_parent, DeviceMesh) else None
         self._flat = tuple(self.mesh.flatten().tolist())
         self._hash = hash((device_type, self._flat, tuple(self.mesh.shape), self.mesh_dim_names))
+        self._graph_key = next(_next_key)
+        _by_key[self._graph_key] = self
         me = dist.get_rank()
         where = (self.mesh == me).nonzero()
         self._coord: Optional[Tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
@@ -150,12 +167,6 @@ class DeviceMesh:
         # needs only this class allowlisted for torch.load(weights_only=True), and runs no __init__.
         return (copyreg.__newobj__, (DeviceMesh, _PICKLED, *self._key()))
 
-    def __copy__(self) -> "DeviceMesh":
-        return self  # a mesh is shared, never copied: its groups are the process's
-
-    def __deepcopy__(self, memo) -> "DeviceMesh":
-        return self
-
     def __hash__(self) -> int:
         return self._hash
 
@@ -166,6 +177,18 @@ class DeviceMesh:
             return False
         return (self.device_type, self._flat, self.mesh.shape, self.mesh_dim_names) == (
             other.device_type, other._flat, other.mesh.shape, other.mesh_dim_names)
+
+    def __deepcopy__(self, memo) -> "DeviceMesh":
+        # A mesh owns process groups: a copy would be a second mesh over the same groups
+        # (copy.deepcopy of a model, and torch.compile's guard metadata, keep the mesh itself).
+        return self
+
+    def __copy__(self) -> "DeviceMesh":
+        return self
+
+    def __fx_repr__(self):
+        """How generated graph code names this mesh (torch.compile's opaque value-type protocol)."""
+        return f"mesh_by_key({self._graph_key})", {"mesh_by_key": mesh_by_key}
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

@@ -301,10 +301,19 @@ def _bounds(size: int, parts: int) -> Tuple[int, ...]:
     return tuple(min(i * c, size) for i in range(parts)) + (size,)
 
 
-def _pieces(size: int, parts: int) -> set:
+def _pieces(size: int, parts: int) -> tuple:
     """The distinct piece lengths of ``size`` chunked over ``parts``."""
     b = _bounds(size, parts)
-    return {b[i + 1] - b[i] for i in range(parts)}
+    return _distinct(b[i + 1] - b[i] for i in range(parts))
+
+
+def _distinct(sizes) -> tuple:
+    """``sizes`` without repeats; symbolic sizes (torch.compile, dynamic shapes) do not hash: kept all."""
+    sizes = tuple(sizes)
+    try:
+        return tuple(set(sizes))
+    except TypeError:
+        return sizes
 
 
 def chunks_agree(rows: int, scale_in: int, scale_out: int, parts: int) -> bool:
@@ -357,10 +366,10 @@ def map_placements(maps: Sequence[DimMap], in_shape: Sequence[int], mesh_shape: 
                 o.append(p)
             continue
         d, k = p.dim, mesh_shape[m]
-        rows = parents.get(d, {in_shape[d]})
+        rows = parents.get(d, (in_shape[d],))
         ok = all(d in c and all(chunks_agree(n, c[d][1], c[d][2], k) for n in rows) for c in carriers)
         if ok:
-            parents[d] = {s for n in rows for s in _pieces(n, k)}
+            parents[d] = _distinct(s for n in rows for s in _pieces(n, k))
             ins.append(p)
             for o, c in zip(outs, carriers):
                 o.append(Shard(c[d][0]))

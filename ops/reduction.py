@@ -165,8 +165,14 @@ def reduced_dims(ctx, kind: Reduction, ndim: int):
     return dims, keepdim
 
 
-@functools.lru_cache(maxsize=None)
-def pieces_ok(size: int, mesh_shape: tuple, need: str) -> bool:
+def pieces_ok(size, mesh_shape: tuple, need: str) -> bool:
+    """Cached :func:`_pieces_ok`; symbolic sizes (torch.compile, dynamic shapes) are not hashable: uncached."""
+    if type(size) is int:
+        return _pieces_ok_cached(size, mesh_shape, need)
+    return _pieces_ok(size, mesh_shape, need)
+
+
+def _pieces_ok(size, mesh_shape: tuple, need: str) -> bool:
     """Whether ``size`` cut along any subset of mesh dims (outermost first) gives pieces meeting ``need``.
 
     The rule cannot know which mesh dims will end up sharding the dim (each is
@@ -183,11 +189,14 @@ def pieces_ok(size: int, mesh_shape: tuple, need: str) -> bool:
             pieces = [size]
             for k in subset:
                 pieces = [chunk_bounds(p, k, i)[1] for p in pieces for i in range(k)]
-            if need == "even" and len(set(pieces)) > 1:
+            if need == "even" and any(p != pieces[0] for p in pieces):  # no set(): sizes may be symbolic
                 return False
             if need == "nonempty" and min(pieces) == 0:
                 return False
     return True
+
+
+_pieces_ok_cached = functools.lru_cache(maxsize=None)(_pieces_ok)
 
 
 def reduction_options(ctx, kind: Reduction) -> list:

@@ -2,6 +2,7 @@
 
     python -m shardprop.demo [--nproc 4] [--mesh 2x2|4|1x4] [--steps 20] [--dim 64] [--layers 2] [--seed 0]
     torchrun --nproc-per-node 4 -m shardprop.demo
+    python -m shardprop.demo --compile     # the same training under torch.compile (inductor)
     python -m shardprop.demo --tour        # the older tour: one tensor through every placement
     python -m shardprop.demo --steps 10 --checkpoint ckpt              # save at the end (DCP)
     python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
@@ -114,6 +115,11 @@ def train(args, mesh, say=print):
     model = build(cfg, mesh, args.seed, args.loss_parallel, fsdp)
     opt = make_optimizer(args.optimizer, model.parameters())
     start = resume(args.resume, model, opt, say) if args.resume else 0
+    # --compile: the forward and backward run as compiled graphs (collectives inside them).
+    run = torch.compile(model, backend=args.compile) if getattr(args, "compile", None) else model
+    if run is not model:
+        say(f"torch.compile (backend {args.compile}): step 1 compiles; collectives inside the compiled graphs "
+            "are counted once, while tracing, and not on later steps")
     # Averages gradients over dp in bucketed async all-reduces launched from autograd hooks
     # (fully_shard reduce-scatters them itself).
     sync = replicate_gradients(model, mesh, "dp") if dp is not None and not fsdp else None
@@ -127,7 +133,7 @@ def train(args, mesh, say=print):
         with comm_counter() as c:
             # loss_parallel: cross-entropy on the vocab-sharded logits, never gathered.
             with (loss_parallel() if args.loss_parallel else nullcontext()):
-                loss = lm_loss(model(tokens), targets)
+                loss = lm_loss(run(tokens), targets)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
             if sync is not None:
@@ -293,6 +299,8 @@ def parser() -> argparse.ArgumentParser:
                    help="at the end, save model and AdamW state to DIR with torch.distributed.checkpoint")
     p.add_argument("--resume", metavar="DIR", default=None,
                    help="load model and optimizer from DIR (saved with any --mesh) and continue up to --steps")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="train under torch.compile (backend: inductor, or e.g. aot_eager)")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
     return p
 

@@ -185,7 +185,10 @@ def run(op, args, kwargs=None, compute=None, rec=None):
     if rec is None:
         rec = _OPS.get(op) or _op_record(op)
     schema = OpSchema(op, tuple(key), kkey, rec[1])
-    out = _propagate(schema)
+    try:
+        out = _propagate(schema)
+    except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
+        out = _prop.propagate_uncached(schema)
     if out.needs_redistribute:
         largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
         if op.is_view and op not in _MAY_COPY:

@@ -65,8 +65,16 @@ class OpSchema(tuple):
     __slots__ = ()
 
     def __new__(cls, op, args: tuple, kwargs: tuple, op_hash: int = None):
-        h = hash((hash(op) if op_hash is None else op_hash, args, kwargs))
+        try:
+            h = hash((hash(op) if op_hash is None else op_hash, args, kwargs))
+        except TypeError:  # symbolic sizes (torch.compile, dynamic shapes): never a cache key
+            h = None
         return tuple.__new__(cls, (h, op, args, kwargs))
+
+    @property
+    def cacheable(self) -> bool:
+        """False when the call holds symbolic sizes: hashing it (a cache lookup) raises TypeError."""
+        return self[0] is not None
 
     def __hash__(self) -> int:
         return self[0]

@@ -58,8 +58,9 @@ class PropContext:
         >>> ctx.specs[0].placements, ctx.out_metas[0].shape  # doctest: +SKIP
     """
 
-    def __init__(self, schema: OpSchema):
+    def __init__(self, schema: OpSchema, cached: bool = True):
         self.schema = schema
+        self.cached = cached
         self.op = schema.op
         self.args = schema.args
         self.kwargs = schema.kwargs_dict
@@ -77,7 +78,13 @@ class PropContext:
     def out_metas(self) -> tuple:
         """TensorMeta (or None) of each top-level output, from one run on meta tensors."""
         if self._out_metas is None:
-            self._out_metas, self._returns = _meta_cached(_meta_key(self.schema))
+            key = _meta_key(self.schema)
+            if not self.cached:
+                self._out_metas, self._returns = meta_run(key)
+            elif key.cacheable:
+                self._out_metas, self._returns = _meta_cached(key)
+            else:  # symbolic sizes: the dispatcher retries with propagate_uncached, caching nothing
+                raise TypeError("symbolic sizes: not cacheable")
         return self._out_metas
 
     @property
@@ -276,9 +283,22 @@ def _propagate(schema: OpSchema) -> OutputSharding:
             inserted[op] += 1
 
 
-def _propagate_uncounted(schema: OpSchema) -> OutputSharding:
+def propagate_uncached(schema: OpSchema) -> OutputSharding:
+    """Propagation for a call with symbolic sizes (torch.compile, dynamic shapes): nothing cached.
+
+    The dispatcher comes here only when the cached path raised TypeError (symbolic sizes do
+    not hash), so eager calls never pay for the check. Rules see specs whose shapes hold
+    SymInts; costs use the sizes' example values, so choosing a strategy adds no guards.
+
+    Example:
+        >>> propagate_uncached(OpSchema(aten.relu.default, (symbolic_spec,), ()))  # doctest: +SKIP
+    """
+    return _propagate_uncounted(schema, cached=False)
+
+
+def _propagate_uncounted(schema: OpSchema, cached: bool = True) -> OutputSharding:
     op = schema.op
-    ctx = PropContext(schema)
+    ctx = PropContext(schema, cached)
     if not ctx.specs:
         raise ShardingError(f"{op}: called with no DTensor inputs")
     mesh = ctx.mesh

@@ -35,6 +35,9 @@ R = Replicate()
 
 
 # ---------------------------------------------------------------- layout conversion
+_is_compiling = torch.compiler.is_compiling
+
+
 def _placements_of(layout: Placement, ndim: int) -> tuple:
     return normalize_placements((layout,), ndim, 1, "parallel style")
 
@@ -54,7 +57,9 @@ def to_dtensor(x, mesh, layout: Placement, desired: Optional[Placement]):
         x = DTensor.from_local(x, mesh, (layout,), run_check=False)
     if desired is not None:
         want = _placements_of(desired, x.ndim)
-        if x.placements != want:
+        # Under torch.compile the layout is not read here (the graph cannot hold placements):
+        # redistributing to the same layout is free.
+        if _is_compiling() or x.placements != want:
             x = x.redistribute(placements=want)
     return x
 
@@ -254,7 +259,7 @@ def _convert_all(values, layouts, desired, mesh, use_local: bool, what: str):
         if lay is None:
             out.append(v)
             continue
-        if isinstance(v, DTensor) and v.placements != _placements_of(lay, v.ndim):
+        if isinstance(v, DTensor) and not _is_compiling() and v.placements != _placements_of(lay, v.ndim):
             raise ValueError(f"{what}: a DTensor laid out as {list(v.placements)} where the declared "
                              f"layout is {lay!r}")
         out.append(_maybe_local(to_dtensor(v, mesh, lay, want), use_local))

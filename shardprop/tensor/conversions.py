@@ -12,10 +12,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
 from shardprop.tensor.redistribute import redistribute_local
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def grad_placements_for(placements):
@@ -53,6 +56,8 @@ class FromLocal(torch.autograd.Function):
             for m, p in enumerate(placements):
                 if type(p) is Shard:
                     shape[p.dim] *= mesh.shape[m]
+        if stride is None:
+            stride = _dt.stride_like(local, shape)
         spec = _dt.make_spec(mesh, placements, shape, stride, local.dtype)
         ctx.spec = spec
         return _dt.DTensor(local.view_as(local), spec, requires_grad=False)
@@ -86,13 +91,25 @@ class ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.grad_spec
+        stride = _dt.stride_like(grad, spec.shape)
+        if stride != spec.tensor_meta.stride:  # the gradient's memory order, not the forward's
+            spec = _dt.make_spec(spec.mesh, spec.placements, spec.shape, stride, spec.dtype)
         return _dt.DTensor(grad, spec, requires_grad=False), None
 
 
 class Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt, placements, async_op):
+    def forward(ctx, dt, device_mesh, placements, async_op):
         src = dt._spec
+        mesh = src.mesh
+        if device_mesh is not None and device_mesh != mesh:
+            raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
+                             "redistribution happens within one mesh")
+        if placements is None:
+            raise ValueError("redistribute: give the target placements")
+        if type(placements) is str:  # _REPLICATE_ALL
+            placements = (Replicate(),) * mesh.ndim
+        placements = normalize_placements(placements, dt.ndim, mesh.ndim, "redistribute")
         ctx.src = src
         if src.placements == placements:
             local = dt._local_tensor
@@ -110,7 +127,11 @@ class Redistribute(torch.autograd.Function):
             grad = _dt.DTensor(local, grad._spec.with_placements(target))
         # No scaling: redistribution keeps the value, so the gradient of the value passes as is
         # (the 1/n of an average belongs to from_local, where local values become the value).
-        return grad, None, None
+        return grad, None, None, None
+
+
+# full_tensor's target: Replicate on every mesh dim (a constant torch.compile can put in a graph).
+_REPLICATE_ALL = "replicate on every mesh dim"
 
 
 def _checked_global_shape(local, mesh, placements, shape):
@@ -191,9 +212,9 @@ def to_local(self, *, grad_placements=None) -> torch.Tensor:
     Example:
         >>> dt.to_local().shape  # doctest: +SKIP
     """
-    if not torch.is_grad_enabled() or not self.requires_grad:
-        return self._local_tensor
-    return ToLocal.apply(self, grad_placements)
+    if _is_compiling() or (torch.is_grad_enabled() and self.requires_grad):
+        return ToLocal.apply(self, grad_placements)  # torch.compile puts this call in its graph as is
+    return self._local_tensor
 
 
 # Set by shardprop.checkpoint (a room above this one): ``f(dt, mesh, placements, async_op)`` moves a
@@ -210,16 +231,19 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
     Example:
         >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
     """
-    mesh = self._spec.mesh
-    if placements is None:
-        raise ValueError("redistribute: give the target placements")
-    if device_mesh is not None and device_mesh != mesh:
+    if device_mesh is not None and not _is_compiling() and device_mesh != self._spec.mesh:
         if other_mesh_redistribute is None:
-            raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
-                             "redistribution happens within one mesh (import shardprop for cross-mesh moves)")
+            raise ValueError(f"redistribute: cannot move a DTensor from {self._spec.mesh} to a different mesh "
+                             f"{device_mesh}; redistribution happens within one mesh (import shardprop for "
+                             "cross-mesh moves)")
+        if placements is None:
+            raise ValueError("redistribute: give the target placements")
         return other_mesh_redistribute(self, device_mesh, placements, async_op)
-    placements = normalize_placements(placements, self.ndim, mesh.ndim, "redistribute")
-    return Redistribute.apply(self, placements, async_op)
+    if placements is not None and type(placements) is not str:
+        placements = tuple(placements)
+    # The same-mesh checks run inside (torch.compile records this call whole; a move to another
+    # mesh is not supported under torch.compile and raises there).
+    return Redistribute.apply(self, device_mesh, placements, async_op)
 
 
 def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
@@ -228,7 +252,7 @@ def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
     Example:
         >>> dt.full_tensor().shape  # doctest: +SKIP
     """
-    full = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+    full = Redistribute.apply(self, None, _REPLICATE_ALL, False)
     return full.to_local(grad_placements=grad_placements)
 
 
@@ -238,3 +262,8 @@ _dt.DTensor.from_local = staticmethod(from_local)
 _dt.DTensor.to_local = to_local
 _dt.DTensor.redistribute = redistribute
 _dt.DTensor.full_tensor = full_tensor
+
+
+# torch.compile: dynamo cannot trace a wrapper subclass's construction, so it must put these
+# three functions in its graph whole (AOTAutograd then traces through them).
+compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute)

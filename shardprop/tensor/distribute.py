@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from shardprop.mesh import collectives as C
+from shardprop.tensor import compile_support
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
@@ -37,7 +38,15 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
         raise RuntimeError(f"distribute_tensor: this rank is not in {mesh}")
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     full = tensor.detach().to(device)
-    if src_data_rank is None:
+    if src_data_rank is not None and type(full) is not torch.Tensor and C.is_traced(full):
+        # torch.compile: one functional broadcast of the source's tensor over the mesh, then each
+        # rank cuts its shard (scatter has no traceable form).
+        n = mesh.size()
+        if not 0 <= src_data_rank < n:
+            raise ValueError(f"distribute_tensor: src_data_rank {src_data_rank} is out of range for {mesh} ({n} ranks)")
+        full = C.broadcast(full, mesh, tuple(range(mesh.ndim)), src=src_data_rank)
+        local = local_chunk(full, mesh, placements)
+    elif src_data_rank is None:
         local = local_chunk(full, mesh, placements)
     else:
         local = _from_source(full, mesh, placements, src_data_rank)
@@ -95,3 +104,7 @@ def _from_source(full: torch.Tensor, mesh, placements, src: int) -> torch.Tensor
                 data = torch.empty_like(data, memory_format=torch.contiguous_format)
             C.broadcast(data, mesh, (m,), src=src_coord[m])
     return data if data.data_ptr() != full.data_ptr() or data.numel() == 0 else data.clone()
+
+
+# torch.compile records a call whole (it cannot trace a wrapper subclass's construction).
+compile_support.allow_in_graph(distribute_tensor)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 
@@ -18,6 +19,30 @@ def _contiguous_stride(shape) -> tuple:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
+
+
+def stride_like(local: torch.Tensor, shape) -> tuple:
+    """Global strides for ``shape`` that keep ``local``'s dim order (contiguous when ``local`` is).
+
+    A DTensor's strides must describe its shard's memory order: view ops decide from
+    the outer strides whether a view is possible, then run on the shard.
+
+    Example:
+        >>> stride_like(torch.ones(3, 4).t(), (8, 3))
+        (1, 8)
+    """
+    if local.is_contiguous():
+        return _contiguous_stride(shape)
+    st = local.stride()
+    n = len(shape)
+    if 0 in st or all(st[i] >= st[i + 1] for i in range(n - 1)):  # expanded or only sliced: keep row-major
+        return _contiguous_stride(shape)
+    order = sorted(range(n), key=lambda d: (-st[d], d))  # outermost memory dim first
+    out, acc = [0] * n, 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(out)
 
 
 class DTensor(torch.Tensor):
@@ -58,13 +83,39 @@ class DTensor(torch.Tensor):
         # Replaced by shardprop.dispatch.torch_dispatch when shardprop is imported.
         raise RuntimeError("shardprop.dispatch is not imported: import shardprop")
 
+    # ---- torch.compile: the traceable-subclass protocol ----------------------------------
     def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, self.requires_grad)
+        """Inner tensor: the local shard. Context: (mesh, placements, requires_grad, coordinate).
+
+        The context is what compiled code guards on (by equality, after a deep copy that keeps
+        meshes themselves). The global shape is left out: it is the outer tensor's own size,
+        which torch.compile tracks (and may make dynamic) on its own. The rank's mesh
+        coordinate is in it because the traced graph depends on it (which chunk a rank cuts,
+        which rank keeps a Partial value): compile caches keyed on the context must not hand
+        one rank's graph to another.
+        """
+        spec = self._spec
+        return ["_local_tensor"], (spec.mesh, spec.placements, self.requires_grad, spec.mesh._coord)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        spec, requires_grad = flatten_spec
-        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+        mesh, placements, requires_grad, _ = flatten_spec
+        local = inner_tensors["_local_tensor"]
+        spec = make_spec(mesh, placements, outer_size, outer_stride, local.dtype)
+        return DTensor(local, spec, requires_grad=requires_grad)
+
+    def __coerce_tangent_metadata__(self):
+        # A Partial gradient flowing into a compiled backward becomes Replicate (one all-reduce),
+        # so the tangent's layout does not depend on how this rank's backward produced it.
+        if not self._spec.has_partial:
+            return self
+        return self.redistribute(placements=tuple(Replicate() if type(p) is Partial else p
+                                                  for p in self._spec.placements))
+
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        if expected_type is not None:
+            return None
+        return self.redistribute(placements=flatten_spec[1])
 
     # ---- public API -------------------------------------------------------------------
     @property

@@ -63,9 +63,20 @@ class Plan:
         return tuple(s for s in self.steps if COST_FACTOR[s.kind] > 0)
 
 
+def _hint(n) -> int:
+    """An int size as is; a symbolic one (torch.compile, dynamic shapes) by its example value.
+
+    Costs only rank strategies: reading the example value adds no guard to the graph.
+    """
+    if type(n) is int:
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)
+    return int(hint) if hint is not None else 1024
+
+
 def local_bytes(spec: DTensorSpec, placements) -> float:
     """Bytes of one rank's shard of ``spec`` laid out as ``placements`` (even split: a cost estimate)."""
-    numel = math.prod(spec.shape) if spec.ndim else 1
+    numel = math.prod(_hint(n) for n in spec.shape) if spec.ndim else 1
     for m, p in enumerate(placements):
         if type(p) is Shard:
             numel /= spec.mesh.shape[m]
@@ -207,7 +218,7 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst_placements: Tu
 
 def run_plan(local: torch.Tensor, src: DTensorSpec, plan: Plan, *, async_op: bool = False) -> torch.Tensor:
     """Execute ``plan`` on ``local`` (the shard described by ``src``)."""
-    if src.tensor_meta.shape.numel() == 0:  # nothing to move: just the right empty shard
+    if 0 in src.tensor_meta.shape:  # nothing to move: just the right empty shard (no numel(): it would specialize symbolic sizes)
         shape, _ = local_shape_and_offset(src.shape, src.mesh.shape, src.mesh._coord, _final(src, plan))
         return local.new_empty(shape)
     cur = list(src.placements)

@@ -27,7 +27,10 @@ class _Interned(type):
 
     def __call__(cls, mesh, placements, tensor_meta):
         key = (mesh, placements, tensor_meta)
-        spec = cls._pool.get(key)
+        try:
+            spec = cls._pool.get(key)
+        except TypeError:  # symbolic sizes (torch.compile with dynamic shapes) do not hash
+            return super().__call__(mesh, placements, tensor_meta)
         if spec is None:
             spec = super().__call__(mesh, placements, tensor_meta)
             cls._pool[key] = spec
@@ -51,6 +54,19 @@ class DTensorSpec(metaclass=_Interned):
     # Identity hash and equality (object's, in C): interning makes them value semantics.
     __hash__ = object.__hash__
     __eq__ = object.__eq__
+
+    @property
+    def is_symbolic(self) -> bool:
+        """Whether the global shape or stride holds symbolic sizes (torch.compile, dynamic shapes).
+
+        Such a spec is not interned: it equals only itself, so cached propagation never
+        reuses a result computed for it.
+        """
+        return not all(type(s) is int for s in self.tensor_meta.shape) or \
+            not all(type(s) is int for s in self.tensor_meta.stride)
+
+    def __deepcopy__(self, memo):
+        return self  # immutable and interned; torch.compile deep-copies guard metadata
 
     def __reduce__(self):
         return (DTensorSpec, (self.mesh, self.placements, self.tensor_meta))

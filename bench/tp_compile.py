@@ -1,0 +1,290 @@
+"""Benchmark torch.compile over tensor parallelism: ours and the reference, compiled, against an eager floor.
+
+Spawns ``--world`` CPU ranks (gloo, one thread each) on a 1-d tp mesh and trains the
+demo's Llama (shardprop.demo.model, AdamW ``foreach=False``) with five contenders:
+
+* ``floor``: Megatron-style tensor parallelism written by hand on plain local tensors,
+  eager: pre-sliced weights (heads and hidden units split, output vocab split), one
+  all-reduce per row-parallel output in forward (``wo``, ``w2``) and one per block input
+  in backward (attention and MLP inputs), an all-gather of the logits. No DTensor, no
+  sequence parallelism, no per-op Python beyond the model's own.
+* ``ours eager`` / ``ref eager``: ``tp_plan`` (sequence parallel) under shardprop / torch.distributed.tensor.
+* ``ours compiled`` / ``ref compiled``: the same models under ``torch.compile`` (inductor by default).
+
+One step = forward + backward + optimizer step (the optimizer runs eagerly for everyone);
+forward + backward is also timed on its own. After a warm-up (whose first step of a compiled
+contender is its compile time, from empty inductor caches of its own), contenders alternate; a barrier
+precedes each timed step, each sample is the max over ranks; the table shows medians and
+each median over the floor's median (same run). The first step's loss of every contender
+is checked against the floor's.
+
+Targets (issue 12): ours compiled <= ref compiled, ours compiled <= 1.0x the eager floor,
+our compile time <= the reference's.
+
+Usage::
+
+    python bench/tp_compile.py [--world 2] [--reps 10] [--warmup 3] [--backend inductor] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _launch import launch  # noqa: E402
+
+LOSS_RTOL = 1e-4
+CONTENDERS = ("floor", "ours eager", "ref eager", "ours compiled", "ref compiled")
+
+
+# ---------------------------------------------------------------- the Megatron floor
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward (a block's input)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward (a row-parallel output, in place); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GatherLast(torch.autograd.Function):
+    """All-gather along the last dim forward; this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        n, r = dist.get_world_size(), dist.get_rank()
+        ctx.n, ctx.r, ctx.k = n, r, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(-1, ctx.r * ctx.k, ctx.k).contiguous()
+
+
+def megatron_floor(cfg, seed):
+    """The single-process Llama with its weights pre-sliced for this rank and the four comm points hooked."""
+    from shardprop.demo.model import Llama
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = Llama(cfg, seed)
+
+    def rows(lin):
+        k = lin.weight.shape[0] // n
+        lin.weight = torch.nn.Parameter(lin.weight.detach()[r * k:(r + 1) * k].clone())
+
+    def cols(lin):
+        k = lin.weight.shape[1] // n
+        lin.weight = torch.nn.Parameter(lin.weight.detach()[:, r * k:(r + 1) * k].clone())
+
+    def copy_in(mod, args):
+        return (_CopyToTP.apply(args[0]),) + tuple(args[1:])
+
+    def reduce_out(mod, args, out):
+        return _ReduceFromTP.apply(out)
+
+    for layer in model.layers:
+        att, ffn = layer.attention, layer.feed_forward
+        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):
+            rows(lin)
+        for lin in (att.wo, ffn.w2):
+            cols(lin)
+            lin.register_forward_hook(reduce_out)
+        att.register_forward_pre_hook(copy_in)
+        ffn.register_forward_pre_hook(copy_in)
+    rows(model.output)
+    model.output.register_forward_pre_hook(copy_in)
+    model.output.register_forward_hook(lambda mod, args, out: _GatherLast.apply(out))
+    return model
+
+
+# ---------------------------------------------------------------- contenders
+def _reference_styles():
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    return SimpleNamespace(Shard=Shard, Replicate=Replicate, ColwiseParallel=ColwiseParallel,
+                           RowwiseParallel=RowwiseParallel, SequenceParallel=SequenceParallel,
+                           PrepareModuleInput=PrepareModuleInput)
+
+
+class _Contender:
+    def __init__(self, name, cfg, args):
+        from shardprop.demo.model import Llama, make_optimizer, tp_plan
+        self.name, self.cfg, self.batch, self.seed = name, cfg, args["batch"], args["seed"]
+        world = dist.get_world_size()
+        if name == "floor":
+            model = megatron_floor(cfg, self.seed)
+        elif name.startswith("ours"):
+            import shardprop
+            mesh = shardprop.init_device_mesh("cpu", (world,))
+            model = shardprop.parallelize_module(Llama(cfg, self.seed), mesh, tp_plan())
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import parallelize_module
+            mesh = init_device_mesh("cpu", (world,))
+            model = parallelize_module(Llama(cfg, self.seed), mesh, tp_plan(_reference_styles()))
+        self.model = model
+        self.opt = make_optimizer("adamw", model.parameters())
+        self.run = torch.compile(model, backend=args["backend"]) if name.endswith("compiled") else model
+
+    def step(self, i):
+        """One training step on batch ``i``: (loss, seconds spent in forward + backward)."""
+        from shardprop.demo.model import lm_loss, synthetic_batch
+        tokens, targets = synthetic_batch(self.cfg, self.batch, i, self.seed)
+        t0 = time.perf_counter()
+        loss = lm_loss(self.run(tokens), targets)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        fwd_bwd = time.perf_counter() - t0
+        self.opt.step()
+        loss = loss.detach()
+        return (loss.full_tensor() if hasattr(loss, "full_tensor") else loss), fwd_bwd
+
+
+def _timed(fn):
+    """(loss, step seconds, forward+backward seconds), each the max over ranks, after a barrier."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss, fwd_bwd = fn()
+    el = torch.tensor([time.perf_counter() - t0, fwd_bwd])
+    dist.all_reduce(el, op=dist.ReduceOp.MAX)
+    return loss, el[0].item(), el[1].item()
+
+
+def _first_step(c):
+    """Step 0; a compiled contender compiles here, from empty inductor caches of its own (a fresh
+    directory and cleared in-memory caches), so no contender reuses kernels another compiled."""
+    if not c.name.endswith("compiled"):
+        return _timed(lambda: c.step(0))
+    from torch._inductor.utils import fresh_cache
+    with fresh_cache(delete=False):
+        return _timed(lambda: c.step(0))
+
+
+def bench_ranks(rank, world, args):
+    from shardprop.demo.model import LlamaConfig
+    warnings.filterwarnings("ignore")
+    cfg = LlamaConfig(dim=args["dim"], n_layers=args["layers"], n_heads=args["heads"], vocab_size=args["vocab"],
+                      seq_len=args["seq"])
+    names = [n for n in CONTENDERS if n in args["contenders"]]
+    cs = {name: _Contender(name, cfg, args) for name in names}
+    first_loss, first_s = {}, {}
+    for name, c in cs.items():  # step 0: correctness check, and a compiled contender's compile
+        loss, el, _ = _first_step(c)
+        first_loss[name], first_s[name] = loss.item(), el
+    for w in range(1, args["warmup"]):
+        for c in cs.values():
+            c.step(w)
+    samples = {name: [] for name in cs}
+    fb_samples = {name: [] for name in cs}
+    step = args["warmup"]
+    for _ in range(args["reps"]):
+        for name, c in cs.items():
+            _, el, fb = _timed(lambda: c.step(step))
+            samples[name].append(el * 1e3)
+            fb_samples[name].append(fb * 1e3)
+        step += 1
+    med = {name: statistics.median(s) for name, s in samples.items()}
+    fb_med = {name: statistics.median(s) for name, s in fb_samples.items()}
+    return dict(median_ms=med, fwd_bwd_median_ms=fb_med, samples_ms=samples, fwd_bwd_samples_ms=fb_samples,
+                first_loss=first_loss, first_step_s=first_s)
+
+
+def report(r, args) -> list:
+    from tabulate import tabulate
+    med, floor = r["median_ms"], r["median_ms"].get("floor")
+    fb, fb_floor = r["fwd_bwd_median_ms"], r["fwd_bwd_median_ms"].get("floor")
+    rows = []
+    for name, ms in med.items():
+        compile_s = r["first_step_s"][name] - ms / 1e3 if name.endswith("compiled") else None
+        rows.append([name, ms, ms / floor if floor else None, fb[name], fb[name] / fb_floor if fb_floor else None,
+                     compile_s, r["first_loss"][name]])
+    print(f"\ntp={args['world']}: Llama dim {args['dim']}, {args['layers']} layers, seq {args['seq']}, batch "
+          f"{args['batch']}; AdamW; gloo, 1 thread per rank; torch.compile backend {args['backend']}; "
+          f"median of {args['reps']} interleaved steps, ms = max over ranks\n")
+    print(tabulate(rows, headers=["contender", "ms/step", "x floor", "fwd+bwd ms", "x floor",
+                                  "compile s (first step - median)", "first loss"], floatfmt=".3f"))
+    print("\n(ms/step includes the optimizer step, which runs eagerly for every contender: on DTensor "
+          "parameters through the dispatcher, on plain tensors for the floor)")
+    misses = []
+    ref_loss = r["first_loss"].get("floor")
+    for name, loss in r["first_loss"].items():
+        if ref_loss is not None and abs(loss - ref_loss) > LOSS_RTOL * abs(ref_loss):
+            misses.append(f"  {name}: first-step loss {loss:.6f} vs the floor's {ref_loss:.6f}")
+    if "ours compiled" in med and "ref compiled" in med:
+        if med["ours compiled"] > med["ref compiled"]:
+            misses.append(f"  ours compiled {med['ours compiled']:.2f} ms > ref compiled {med['ref compiled']:.2f} ms")
+        ours_c = r["first_step_s"]["ours compiled"]
+        ref_c = r["first_step_s"]["ref compiled"]
+        if ours_c > ref_c:
+            misses.append(f"  our first (compiling) step {ours_c:.1f} s > the reference's {ref_c:.1f} s")
+    if floor and "ours compiled" in med and med["ours compiled"] > floor:
+        misses.append(f"  ours compiled {med['ours compiled'] / floor:.2f}x the eager floor (> 1.0)")
+    print("\ntargets (ours compiled <= ref compiled and <= 1.0x floor, compile time <= ref's, same loss): "
+          + ("all met" if not misses else "missed:"))
+    for m in misses:
+        print(m)
+    return misses
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, help="tp ranks (default 2)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of " + ", ".join(CONTENDERS))
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    opts = {k: v for k, v in vars(args).items() if k != "json"}
+    opts["contenders"] = tuple(s.strip() for s in args.contenders.split(","))
+    t0 = time.perf_counter()
+    r = launch(bench_ranks, args.world, opts, timeout_s=900)
+    misses = report(r, opts)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        r["_summary"] = dict(config=opts, misses=misses)
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
