@@ -199,7 +199,8 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         compute = out.local_call
     res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     returns = out.returns
-    if returns == "tensor":  # wrap() inlined: the common case, on the hot path
+    if returns == "tensor" or (returns == "view" and not _inference_mode_enabled()):
+        # wrap() inlined: the common case, on the hot path (views under inference_mode: _wrap_view)
         spec = out.out_specs[0]
         m = spec.tensor_meta
         r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device)
@@ -207,13 +208,6 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         r._spec = spec
         return r
     if returns == "view":
-        if not _inference_mode_enabled():  # wrap() inlined, as above; inference mode: see _wrap_view
-            spec = out.out_specs[0]
-            m = spec.tensor_meta
-            r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device)
-            r._local_tensor = res
-            r._spec = spec
-            return r
         return _wrap_view(res, out, args[0], True)
     if returns == "self":
         base = getattr(args[0], "_view_base", None)  # a list for the _foreach_*_ ops
