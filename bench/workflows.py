@@ -173,6 +173,108 @@ def check_rule_unseeded(eng):
         raise AssertionError(report.summary())
 
 
+def _ckpt_dir(name):
+    """A checkpoint folder every rank names alike (the launch's port is the same on all ranks)."""
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), f"workflows-{os.environ.get('MASTER_PORT', '0')}-{name}")
+
+
+def _dcp_roundtrip(eng, name, src_pl, dst_pl, save):
+    full = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    path = _ckpt_dir(name)
+    save({"w": eng.distribute_tensor(full, mesh, src_pl(eng))}, path)
+    dst = eng.distribute_tensor(torch.zeros(6, 4), mesh, dst_pl(eng))
+    import torch.distributed.checkpoint as dcp
+    dcp.load({"w": dst}, checkpoint_id=path)
+    _close(dst, full, "loaded tensor")
+
+
+def _dcp_save(state, path):
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state, checkpoint_id=path)
+
+
+def _dcp_async_save(state, path):
+    import torch.distributed.checkpoint as dcp
+    dcp.async_save(state, checkpoint_id=path).result()
+
+
+def dcp_same_layout(eng):
+    _dcp_roundtrip(eng, "same", lambda e: [e.Shard(0)], lambda e: [e.Shard(0)], _dcp_save)
+
+
+def dcp_resharded(eng):
+    _dcp_roundtrip(eng, "reshard", lambda e: [e.Shard(0)], lambda e: [e.Shard(1)], _dcp_save)
+
+
+def dcp_async(eng):
+    _dcp_roundtrip(eng, "async", lambda e: [e.Shard(1)], lambda e: [e.Replicate()], _dcp_async_save)
+
+
+def load_plain_full_state_dict(eng):
+    """model.load_state_dict(single_device_model.state_dict()) into a parallelized model."""
+    ref, model, _ = parallel_mlp(eng)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.5)
+    model.load_state_dict(ref.state_dict())
+    _close(model(batch()), ref(batch()), "output after loading a plain state dict")
+
+
+def gather_full_state_dict(eng):
+    """A plain full state dict on rank 0 (Hugging Face save_pretrained style)."""
+    ref, model, _ = parallel_mlp(eng)
+    if eng.name == "shardprop":
+        import shardprop
+        sd = shardprop.full_state_dict(model)
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        for k, v in ref.state_dict().items():
+            if type(sd[k]) is not torch.Tensor:
+                raise AssertionError(f"{k} is a {type(sd[k]).__name__}, not a plain tensor")
+            _close(sd[k], v, k)
+
+
+def redistribute_other_mesh(eng):
+    """A 1-d mesh over both ranks to a 2-d (1, 2) mesh over the same ranks."""
+    full = torch.randn(6, 4, generator=torch.Generator().manual_seed(6))
+    a = eng.init_device_mesh("cpu", (WORLD,))
+    b = eng.init_device_mesh("cpu", (1, WORLD))
+    dt = eng.distribute_tensor(full, a, [eng.Shard(0)])
+    _close(dt.redistribute(b, [eng.Replicate(), eng.Shard(1)]), full, "moved tensor")
+
+
+def compile_train_step(eng):
+    """torch.compile(model) (aot_eager), forward and backward, against one process."""
+    ref, model, _ = parallel_mlp(eng)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    out = compiled(batch())
+    _close(out, ref(batch()), "compiled output")
+    (out.full_tensor() if hasattr(out, "full_tensor") else out).sum().backward()
+    ref(batch()).sum().backward()
+    _close(model[0].weight.grad, ref[0].weight.grad, "gradient")
+
+
+def fully_shard_step(eng):
+    """fully_shard (FSDP2 style) on the MLP, one SGD step on each rank's half of the batch."""
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    ref = mlp()
+    model = copy.deepcopy(ref)
+    if eng.name == "shardprop":
+        from shardprop import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    fully_shard(model, mesh=mesh)
+    x = batch()[:4]
+    model(x.chunk(WORLD)[dist.get_rank()]).sum().backward()
+    ref(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad / WORLD, f"{name}.grad")  # FSDP averages over dp ranks
+
+
 WORKFLOWS = {
     "forward under inference_mode": forward_inference_mode,
     "forward under no_grad": forward_no_grad,
@@ -182,6 +284,14 @@ WORKFLOWS = {
     "torch.save/load(model.state_dict()), weights_only default": save_load_state_dict,
     "pickle of a DTensor": pickle_dtensor,
     "check_sharding_rule, unseeded per-rank samples": check_rule_unseeded,
+    "dcp.save / dcp.load, same layout": dcp_same_layout,
+    "dcp.load onto other placements (resharding)": dcp_resharded,
+    "dcp.async_save, then load replicated": dcp_async,
+    "model.load_state_dict(plain full state dict)": load_plain_full_state_dict,
+    "full state dict gathered to rank 0": gather_full_state_dict,
+    "redistribute to another mesh": redistribute_other_mesh,
+    "torch.compile(model, fullgraph=True), fwd+bwd": compile_train_step,
+    "fully_shard, one backward": fully_shard_step,
 }
 
 
