@@ -18,30 +18,9 @@ from shardprop.mesh import groups as _groups
 
 DimRef = Union[int, str]
 
-# Every mesh built in this process, by its data (device type, ranks, shape, dim names), newest
-# last, so that unpickling rebinds to a live mesh instead of building one (the newest of equal
-# ones: the one a user just made). Weak: a mesh lives as long as its users.
-_live: Dict[tuple, List["weakref.ref[DeviceMesh]"]] = {}
-
-
-def _newest_live(key: tuple) -> Optional["DeviceMesh"]:
-    refs = _live.get(key, [])
-    refs[:] = [r for r in refs if r() is not None]
-    if not refs:
-        _live.pop(key, None)
-        return None
-    return refs[-1]()
-
-
-def _live_meshes() -> List["DeviceMesh"]:
-    return [m for refs in list(_live.values()) for m in (r() for r in refs) if m is not None]
-
-
-# First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
-_PICKLED = "shardprop.DeviceMesh/v1"
-
-# Every mesh by a small integer key, so a compiled graph can name a mesh as plain data
-# (see DeviceMesh.__fx_repr__); weak values: the registry never keeps a mesh alive.
+# Every live mesh of this process by a small integer key, in order of creation (weak values: the
+# registry never keeps a mesh alive). A compiled graph names a mesh by its key (__fx_repr__), and
+# unpickling rebinds to the newest live mesh with the pickled data (the one a user just made).
 _by_key: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
 _next_key = itertools.count()
 
@@ -54,6 +33,20 @@ def mesh_by_key(key: int) -> "DeviceMesh":
         True
     """
     return _by_key[key]
+
+
+def _newest_live(key: tuple) -> Optional["DeviceMesh"]:
+    """The newest live mesh whose data (device type, ranks, shape, dim names) is ``key``."""
+    found = [(k, m) for k, m in list(_by_key.items()) if m._key() == key]
+    return max(found, key=lambda km: km[0])[1] if found else None
+
+
+def _live_meshes() -> List["DeviceMesh"]:
+    return list(_by_key.values())
+
+
+# First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
+_PICKLED = "shardprop.DeviceMesh/v1"
 
 
 def _combos(ndim: int) -> List[Tuple[int, ...]]:
@@ -100,8 +93,6 @@ class DeviceMesh:
         self._parent = _parent if isinstance(_parent, DeviceMesh) else None
         self._flat = tuple(self.mesh.flatten().tolist())
         self._hash = hash((device_type, self._flat, tuple(self.mesh.shape), self.mesh_dim_names))
-        self._graph_key = next(_next_key)
-        _by_key[self._graph_key] = self
         me = dist.get_rank()
         where = (self.mesh == me).nonzero()
         self._coord: Optional[Tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
@@ -118,9 +109,8 @@ class DeviceMesh:
                     continue
             mine = next((l for l in lists if me in l), [])
             self._groups[dims] = (group, mine)
-        refs = _live.setdefault(self._key(), [])
-        refs[:] = [r for r in refs if r() is not None]  # slices are made often: keep only live ones
-        refs.append(weakref.ref(self))
+        self._graph_key = next(_next_key)  # registered once built: a failed mesh is never found
+        _by_key[self._graph_key] = self
 
     def _validate(self) -> None:
         flat = self.mesh.flatten().tolist()
