@@ -42,6 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
+from tp import _Contender as TPContender  # noqa: E402
 
 WORLD = 4
 MESHES = {"dp4": (4,), "dp2xtp2": (2, 2)}
@@ -91,19 +92,7 @@ class _Contender:
         self.model = model
         self.opt = make_optimizer("adamw", self.model.parameters())
 
-    def step(self, i):
-        from shardprop.demo.model import lm_loss, synthetic_batch
-        n, r = self.dp
-        tokens, targets = synthetic_batch(self.cfg, self.batch, i, self.seed)
-        k = self.batch // n
-        tokens, targets = tokens[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
-        loss = lm_loss(self.model(tokens), targets)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.sync is not None:
-            self.sync.finish()
-        self.opt.step()
-        return loss.detach()
+    step = TPContender.step  # one step on this dp rank's rows, exactly as bench/tp.py's contenders train
 
     def state_bytes(self):
         """(parameter, optimizer-state) bytes this rank holds, each storage counted once."""
