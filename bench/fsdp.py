@@ -135,11 +135,17 @@ def _step_peak(c, i):
     def walk(evs):
         for e in evs:
             if e.tag == _EventType.Allocation:
-                allocs.append((e.start_time_ns, e.extra_fields.total_allocated))
+                allocs.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
             walk(e.children)
     walk(p.profiler.kineto_results.experimental_event_tree())
     allocs.sort()
-    return max([0] + [t for _, t in allocs])
+    if not allocs:
+        return 0
+    # total_allocated is a process-wide counter that keeps what earlier profiled steps allocated and
+    # freed unprofiled (e.g. the previous contender's gradients): measure from its value at the start.
+    t0, size0, total0 = allocs[0]
+    base = total0 - size0
+    return max([0] + [t - base for _, _, t in allocs])
 
 
 def _count_ours(c, i):
