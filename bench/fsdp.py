@@ -12,8 +12,10 @@ each timed step; a sample is the max over ranks; the table shows medians.
 Peak memory per rank (rank 0): the bytes the parameters, gradients and optimizer
 state hold at the start of a step (their storages, counted once) plus the highest
 net growth of CPU allocations during one step (torch.profiler's allocation events,
-which see autograd's saved tensors and storage resizes). Allocations made by gloo's
-own worker threads are not seen, for either contender. Collectives per step: ours
+which see autograd's saved tensors and storage resizes), counted from the allocation
+counter at the step's start. Frees made on gloo's worker threads are not seen, for
+either contender; a block is counted freed once its address is handed out again
+(``_step_peak``; the JSON keeps the raw counter's figure too). Collectives per step: ours
 with ``shardprop.comm_counter()``, the reference with ``CommDebugMode``.
 
 The closing estimate: the largest demo model (layers x dim, vocab 256) whose
@@ -115,7 +117,15 @@ class _Contender:
 
 
 def _step_peak(c, i):
-    """Highest net growth of CPU allocations during one step (torch.profiler allocation events)."""
+    """(highest net growth of CPU allocations during one step, the same from the raw counter).
+
+    From torch.profiler's allocation events. The profiler misses a free made on a gloo worker
+    thread (when the worker drops the last reference to a collective's buffer after the caller
+    has let go of its handle, which is a matter of timing), so the raw counter can keep a freed
+    block for the rest of the step. A block is known freed when the allocator hands its address
+    out again while it still looks live; from then on it is not counted. Blocks freed unseen and
+    never reused within the step are still counted (the figure can only be too high).
+    """
     from torch._C._profiler import _EventType
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
         c.step(i)
@@ -124,11 +134,27 @@ def _step_peak(c, i):
     def walk(evs):
         for e in evs:
             if e.tag == _EventType.Allocation:
-                allocs.append((e.start_time_ns, e.extra_fields.total_allocated))
+                f = e.extra_fields
+                allocs.append((e.start_time_ns, f.alloc_size, f.total_allocated, f.ptr))
             walk(e.children)
     walk(p.profiler.kineto_results.experimental_event_tree())
     allocs.sort()
-    return max([0] + [t for _, t in allocs])
+    if not allocs:
+        return 0, 0
+    # total_allocated is a process-wide counter that keeps what earlier profiled steps allocated and
+    # freed unprofiled (e.g. the previous contender's gradients): measure from its value at the start.
+    _, size0, total0, _ = allocs[0]
+    base = total0 - size0
+    live, unseen, peak, raw = {}, 0, 0, 0
+    for _, size, total, ptr in allocs:
+        if size > 0:
+            unseen += live.get(ptr, 0)  # this address was freed where the profiler did not look
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+        raw = max(raw, total - base)
+        peak = max(peak, total - base - unseen)
+    return peak, raw
 
 
 def _count_ours(c, i):
@@ -170,8 +196,9 @@ def bench_ranks(rank, world, args):
         mem = {}
         for name, c in cs.items():
             pbytes, sbytes, nparams = c.state_bytes()
-            peak = _step_peak(c, step)
+            peak, raw = _step_peak(c, step)
             mem[name] = dict(param_bytes=pbytes, opt_state_bytes=sbytes, local_params=nparams, step_peak=peak,
+                             step_peak_raw_counter=raw,
                              peak=pbytes + sbytes + peak)
         step += 1
         counts = {"ours": _count_ours(cs["ours"], step), "ref": _count_ref(cs["ref"], step)}
@@ -253,7 +280,7 @@ def report(results, args) -> list:
                                                  for k, (n, b) in r["collectives"]["ours"].items()))
         print(f"  {key} reference: " + ", ".join(f"{k} {n}" for k, n in r["collectives"]["ref"].items()))
         print(f"  {key} memory (bytes): " + "; ".join(f"{n}: params {m['param_bytes']}, adam {m['opt_state_bytes']}, "
-                                                      f"step growth {m['step_peak']}"
+                                                      f"step growth {m['step_peak']} (raw counter {m['step_peak_raw_counter']})"
                                                       for n, m in r["memory"].items()))
     est = results["_largest"]
     print(f"\nlargest demo model per {args['cap_mb']} MB/rank (estimate: params+grads+AdamW state+gathered "

@@ -314,14 +314,24 @@ def test_fsdp_tp_2x2_matches_single_process(reshard):
         assert placements["layers.0.attention_norm.weight"] == "[S(0), R]"
 
 
-def _into_views(fn, *args):
-    """Run ``fn`` with units gathering straight into their parameters' views (NCCL's path) on gloo."""
+def _gather_mode(into_views, async_gather, fn, *args):
+    """Run ``fn`` with units gathering the given way (by default gloo gathers flat and synchronously)."""
     from shardprop.parallel import fsdp_unit
-    fsdp_unit.GATHER_INTO_VIEWS = True
+    fsdp_unit.GATHER_INTO_VIEWS, fsdp_unit.ASYNC_GATHER = into_views, async_gather
     try:
         return fn(*args)
     finally:
-        fsdp_unit.GATHER_INTO_VIEWS = None
+        fsdp_unit.GATHER_INTO_VIEWS = fsdp_unit.ASYNC_GATHER = None
+
+
+def _into_views(fn, *args):
+    """Run ``fn`` the NCCL way on gloo: async gathers straight into the parameters' views."""
+    return _gather_mode(True, True, fn, *args)
+
+
+def test_async_flat_gather_path():
+    # async flat gathers (prefetch overlapping compute): the path a non-cpu backend gets with views off
+    _check(run_on_ranks(4, _gather_mode, False, True, _fsdp_train, True), _reference(), 1e-5)
 
 
 def test_gather_into_views_path():

@@ -33,6 +33,21 @@ def gather_into_views(mesh) -> bool:
     return mesh.device_type != "cpu"
 
 
+# Whether a unit's all-gather runs asynchronously (None: by backend). True overlaps the gather of
+# the next unit (prefetch) with this unit's compute. On gloo the overlap costs memory and buys
+# little: gloo's all-gather holds a flat temporary the size of the output for as long as it is in
+# flight, so an async prefetch keeps that extra buffer alive across the current unit's compute
+# (e.g. its backward's temporaries). Synchronous there, as torch's fully_shard is by default.
+ASYNC_GATHER: Optional[bool] = None
+
+
+def async_gather(mesh) -> bool:
+    """Whether units on ``mesh`` all-gather asynchronously (see ASYNC_GATHER)."""
+    if ASYNC_GATHER is not None:
+        return ASYNC_GATHER
+    return mesh.device_type != "cpu"
+
+
 # The unit whose reduce-scatter was launched last and is not completed yet.
 _in_flight: Optional["FSDPUnit"] = None
 
@@ -55,7 +70,7 @@ class FSDPUnit:
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
         self.is_root = False
-        self._gather = None        # AsyncTensor of the full buffer while the all-gather is in flight
+        self._gather = None        # the all-gather's result (an AsyncTensor while in flight) until copied out
         self._staging = None
         self._gather_input = None  # keeps the (cast) input alive until the gather finishes
         self._unsharded = False
@@ -64,28 +79,33 @@ class FSDPUnit:
         self.ran_forward = False
         self.backward_started = False
         self._into_views = gather_into_views(dp_mesh)
+        self._async_gather = async_gather(dp_mesh)
         for s in slots:
             if s.requires_grad:
                 s.hooks.append(s.full_param.register_post_accumulate_grad_hook(self._grad_ready))
 
     # ---- all-gather ------------------------------------------------------------------
     def unshard(self) -> None:
-        """Start the all-gather of every shard into the full buffer (no-op if under way or done)."""
+        """Start the all-gather of every shard into the full buffer (no-op if under way or done).
+
+        When gathers are synchronous (see ASYNC_GATHER) it also finishes it: the gathered
+        data waits in the flat result until :meth:`wait_unsharded` copies it out.
+        """
         if self.buffers is None or self._unsharded or self._gather is not None:
             return
         b = self.buffers
         self._resync_shards()
         shard = b.shard if b.shard.dtype == b.compute_dtype else b.shard.to(b.compute_dtype)
-        self._gather_input = shard
+        self._gather_input = shard if self._async_gather else None
         with torch.no_grad():
             if not self._into_views:  # the shard buffer is already flat: gather it as it is
-                self._gather = C.all_gather(shard, self.dp_mesh, 0, async_op=True)
+                self._gather = C.all_gather(shard, self.dp_mesh, 0, async_op=self._async_gather)
                 return  # the full buffer is allocated when the data arrives: one less buffer in flight
             b.alloc_full()
             n = b.staging_numel()
             self._staging = torch.empty(n, dtype=b.compute_dtype, device=b.shard.device) if n else None
             outs, ins = b.gather_args(shard, self._staging)
-            self._gather = C.all_gather_into_views(outs, ins, b.full, self.dp_mesh, 0, async_op=True)
+            self._gather = C.all_gather_into_views(outs, ins, b.full, self.dp_mesh, 0, async_op=self._async_gather)
 
     def wait_unsharded(self) -> None:
         """Wait for the all-gather (starting it if needed); the full parameters are then valid."""

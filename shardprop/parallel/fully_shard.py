@@ -4,7 +4,8 @@
 parameter becomes a ``Shard`` DTensor over the dp mesh dim (an ``nn.Parameter``
 still), so parameters, gradients and optimizer state take 1/dp of the memory.
 Around each unit's forward the module computes on plain full tensors gathered by
-one all-gather (prefetched one unit ahead, forward and backward); its gradients
+one all-gather (prefetched one unit ahead, forward and backward; asynchronous except on
+gloo, see :data:`shardprop.parallel.fsdp_unit.ASYNC_GATHER`); its gradients
 leave in one reduce-scatter that overlaps the rest of backward (at most one in
 flight: the next unit's launch completes the previous one, as torch's does). See
 :mod:`shardprop.parallel.fsdp_unit` (run time) and :mod:`shardprop.parallel.flat_buffers`
