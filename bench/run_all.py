@@ -31,6 +31,7 @@ BENCHMARKS = {
     "dispatch_census": "dispatch_census.py",
     "checkpoint": "checkpoint.py",
     "fsdp": "fsdp.py",
+    "workflows": "workflows.py",
 }
 
 
