@@ -39,12 +39,12 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
 from tp import _Contender as TPContender  # noqa: E402
+from tp import time_interleaved  # noqa: E402
 
 WORLD = 4
 MESHES = {"dp4": (4,), "dp2xtp2": (2, 2)}
@@ -179,20 +179,7 @@ def bench_ranks(rank, world, args):
         losses = {}
         for name, c in cs.items():
             losses[name] = c.step(0).item()
-        for w in range(1, args["warmup"]):
-            for c in cs.values():
-                c.step(w)
-        step = args["warmup"]
-        samples = {name: [] for name in cs}
-        for _ in range(args["reps"]):
-            for name, c in cs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                c.step(step)
-                el = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(el, op=dist.ReduceOp.MAX)
-                samples[name].append(el.item() * 1e3)
-            step += 1
+        samples, step = time_interleaved(cs, args["warmup"], args["reps"])
         mem = {}
         for name, c in cs.items():
             pbytes, sbytes, nparams = c.state_bytes()

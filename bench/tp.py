@@ -158,6 +158,28 @@ def _count_ref(c, i):
     return dict(sorted(counts.items()))
 
 
+def time_interleaved(cs, warmup: int, reps: int):
+    """Warm up, then time each contender's ``step`` in turn, ``reps`` rounds (ms, max over ranks).
+
+    Returns (samples per contender, the next step index). Every timed step starts after a barrier.
+    """
+    for w in range(1, warmup):
+        for c in cs.values():
+            c.step(w)
+    step = warmup
+    samples = {name: [] for name in cs}
+    for _ in range(reps):
+        for name, c in cs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            c.step(step)
+            el = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(el, op=dist.ReduceOp.MAX)
+            samples[name].append(el.item() * 1e3)
+        step += 1
+    return samples, step
+
+
 def bench_ranks(rank, world, args):
     torch.manual_seed(0)
     cfg = _cfg(args)
@@ -169,20 +191,7 @@ def bench_ranks(rank, world, args):
             loss = c.step(0)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
             losses[name] = loss.item()
-        for w in range(1, args["warmup"]):
-            for c in cs.values():
-                c.step(w)
-        step = args["warmup"]
-        samples = {name: [] for name in cs}
-        for _ in range(args["reps"]):
-            for name, c in cs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                c.step(step)
-                el = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(el, op=dist.ReduceOp.MAX)
-                samples[name].append(el.item() * 1e3)
-            step += 1
+        samples, step = time_interleaved(cs, args["warmup"], args["reps"])
         counts = {"ours": _count_ours(cs["ours"], step), "ref": _count_ref(cs["ref"], step)}
         med = {name: statistics.median(s) for name, s in samples.items()}
         out[key] = dict(mesh=list(shape), ours_ms=med["ours"], ref_ms=med["ref"], ratio=med["ours"] / med["ref"],
