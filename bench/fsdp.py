@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
 from tp import _Contender as TPContender  # noqa: E402
-from tp import time_interleaved  # noqa: E402
+from tp import print_targets, time_interleaved  # noqa: E402
 
 WORLD = 4
 MESHES = {"dp4": (4,), "dp2xtp2": (2, 2)}
@@ -275,11 +275,7 @@ def report(results, args) -> list:
     dims = list(est["fsdp"]["layers_by_dim"])
     print(tabulate([[name, f"{e['per_param_bytes']:.1f}"] + [e["layers_by_dim"][d] for d in dims]
                     for name, e in est.items()], headers=["scheme", "B/param"] + [f"dim {d}" for d in dims]))
-    print("\ntargets (ours/ref <= 1.0, peak <= reference's, collectives <= reference's): "
-          + ("all met" if not misses else "missed:"))
-    for m in misses:
-        print(m)
-    return misses
+    return print_targets("ours/ref <= 1.0, peak <= reference's, collectives <= reference's", misses)
 
 
 def main(argv=None) -> None:

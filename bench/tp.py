@@ -158,6 +158,14 @@ def _count_ref(c, i):
     return dict(sorted(counts.items()))
 
 
+def print_targets(targets: str, misses: list) -> list:
+    """Print whether a benchmark met its targets (and each miss); return the misses."""
+    print(f"\ntargets ({targets}): " + ("all met" if not misses else "missed:"))
+    for m in misses:
+        print(m)
+    return misses
+
+
 def time_interleaved(cs, warmup: int, reps: int):
     """Warm up, then time each contender's ``step`` in turn, ``reps`` rounds (ms, max over ranks).
 
@@ -232,11 +240,7 @@ def report(results, args) -> list:
         print(f"  {key} reference: {_fmt_counts(r['collectives']['ref'], False)}")
     print("\nfirst-step losses: " + "; ".join(
         f"{k} ours {r['first_loss']['ours']:.6f} ref {r['first_loss']['ref']:.6f}" for k, r in results.items()))
-    print("\ntargets (ours/ref <= 1.0, collectives <= reference's, same loss): "
-          + ("all met" if not misses else "missed:"))
-    for m in misses:
-        print(m)
-    return misses
+    return print_targets("ours/ref <= 1.0, collectives <= reference's, same loss", misses)
 
 
 def main(argv=None) -> None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
+from tp import print_targets  # noqa: E402
 
 LOSS_RTOL = 1e-4
 CONTENDERS = ("floor", "ours eager", "ref eager", "ours compiled", "ref compiled")
@@ -251,11 +252,7 @@ def report(r, args) -> list:
             misses.append(f"  our first (compiling) step {ours_c:.1f} s > the reference's {ref_c:.1f} s")
     if floor and "ours compiled" in med and med["ours compiled"] > floor:
         misses.append(f"  ours compiled {med['ours compiled'] / floor:.2f}x the eager floor (> 1.0)")
-    print("\ntargets (ours compiled <= ref compiled and <= 1.0x floor, compile time <= ref's, same loss): "
-          + ("all met" if not misses else "missed:"))
-    for m in misses:
-        print(m)
-    return misses
+    return print_targets("ours compiled <= ref compiled and <= 1.0x floor, compile time <= ref's, same loss", misses)
 
 
 def main(argv=None) -> None:
