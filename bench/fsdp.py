@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
 from tp import _Contender as TPContender  # noqa: E402
-from tp import print_targets, time_interleaved  # noqa: E402
+from tp import add_model_args, print_targets, time_interleaved  # noqa: E402
 
 WORLD = 4
 MESHES = {"dp4": (4,), "dp2xtp2": (2, 2)}
@@ -282,13 +282,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    add_model_args(ap)
     ap.add_argument("--cap-mb", type=int, default=1024, help="per-rank memory cap for the largest-model estimate")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)

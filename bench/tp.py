@@ -158,6 +158,13 @@ def _count_ref(c, i):
     return dict(sorted(counts.items()))
 
 
+def add_model_args(ap) -> None:
+    """The demo model's size and data options, shared by the TP, compiled and fully_shard benchmarks."""
+    for name, default in (("dim", 64), ("layers", 2), ("heads", 4), ("vocab", 256), ("seq", 32), ("batch", 8),
+                          ("seed", 0)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+
+
 def print_targets(targets: str, misses: list) -> list:
     """Print whether a benchmark met its targets (and each miss); return the misses."""
     print(f"\ntargets ({targets}): " + ("all met" if not misses else "missed:"))
@@ -252,13 +259,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10, help="timed steps per contender and mesh (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    add_model_args(ap)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON, keyed by mesh")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.warmup < 1:

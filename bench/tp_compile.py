@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
-from tp import print_targets  # noqa: E402
+from tp import add_model_args, print_targets  # noqa: E402
 
 LOSS_RTOL = 1e-4
 CONTENDERS = ("floor", "ours eager", "ref eager", "ours compiled", "ref compiled")
@@ -262,13 +262,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of " + ", ".join(CONTENDERS))
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    add_model_args(ap)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     opts = {k: v for k, v in vars(args).items() if k != "json"}
