@@ -344,3 +344,56 @@ def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torc
     return _coalesced("all_gather", list(zip(outputs, inputs)), group,
                       lambda o, i: _all_gather_flat(o, i, group=group), async_op, result, nbytes)
 
+
+
+class _AllWork:
+    """Several works (the messages of one batch) waited on as one."""
+
+    def __init__(self, works) -> None:
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+
+def p2p_group(mesh):
+    """The process group point-to-point messages within ``mesh`` travel on (peers are global ranks).
+
+    The group spanning every mesh dim when the mesh has one (messages of one mesh never meet
+    another's), else the default group.
+
+    Example:
+        >>> p2p_group(mesh)  # doctest: +SKIP
+    """
+    entry = mesh.group_for(tuple(range(mesh.ndim)))
+    return entry[0] if entry is not None else None
+
+
+def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tuple[torch.Tensor, int, int]], mesh,
+              result: torch.Tensor, *, async_op: bool = False, finish=None, finish_shape=None) -> torch.Tensor:
+    """Send and receive pieces point to point, all in one ``batch_isend_irecv``; return ``result``.
+
+    ``sends`` and ``recvs`` hold ``(tensor, peer, tag)`` with ``peer`` a global rank and ``tag``
+    the same number on both ends of a message. Receive buffers are written in place (views of
+    ``result`` where the piece is one run of its memory); ``finish`` (e.g. copying pieces
+    received elsewhere) runs once every message arrived. Counted as ``send`` and ``recv``.
+
+    Example:
+        >>> out = torch.empty(4)  # doctest: +SKIP
+        >>> send_recv([(mine, 1, 0)], [(out, 1, 0)], mesh, out)  # ranks 0 and 1 swap  # doctest: +SKIP
+    """
+    if _counters:
+        for t, _, _ in sends:
+            _count("send", t)
+        for t, _, _ in recvs:
+            _count("recv", t)
+    group = p2p_group(mesh)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer, tag in recvs]
+    work = _AllWork(dist.batch_isend_irecv(ops) if ops else [])
+    if async_op:
+        return AsyncTensor(work, result, finish, finish_shape)
+    work.wait()
+    return finish(result) if finish is not None else result

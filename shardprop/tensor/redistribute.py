@@ -14,18 +14,24 @@ A mesh dim whose shard stays the same is still redone when an earlier mesh dim
 sharding the same tensor dim changes, since its piece is cut from a different
 parent. Gathers that span several mesh dims (and all-reduces likewise) are fused
 into one collective over the group of those dims when shapes are even.
+
+Transitions without Partial are also priced as one batch of point-to-point messages
+(``permute.py``): where each rank needs only a few other ranks' pieces (``[S(0), R] ->
+[R, S(0)]`` on 2x2) that is cheaper, and the plan is that one step. Its ``fallback`` (the
+collective plan) runs instead while torch.compile traces.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
+from shardprop.tensor import permute
 from shardprop.tensor.layout import chunk_bounds, is_even, local_shape_and_offset
 from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec
@@ -33,7 +39,7 @@ from shardprop.tensor.spec import DTensorSpec
 # Relative cost per byte each rank moves, by collective (ring algorithms);
 # LATENCY is a fixed cost per collective, in byte-equivalents.
 COST_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce": 2.0,
-               "chunk": 0.0, "to_partial": 0.0}
+               "p2p": permute.P2P_FACTOR, "chunk": 0.0, "to_partial": 0.0}
 LATENCY = 4096.0
 
 
@@ -57,6 +63,8 @@ class Plan:
 
     steps: Tuple[Step, ...]
     cost: float
+    # The collective plan a point-to-point plan stands in for: what runs while torch.compile traces.
+    fallback: Optional["Plan"] = None
 
     @property
     def collectives(self) -> Tuple[Step, ...]:
@@ -159,7 +167,30 @@ def plan_redistribute(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -
     steps.extend(_reduce_steps(reduces, cur, dst, src))
     steps_t = tuple(steps)
     cost = sum(COST_FACTOR[s.kind] * s.bytes + (LATENCY if COST_FACTOR[s.kind] else 0) for s in steps_t)
-    return Plan(steps_t, cost)
+    plan = Plan(steps_t, cost)
+    p2p = p2p_plan(src, dst_placements, plan)
+    return p2p if p2p is not None and p2p.cost < plan.cost else plan
+
+
+def p2p_plan(src: DTensorSpec, dst_placements: Tuple[Placement, ...], fallback: Optional[Plan] = None) -> Optional[Plan]:
+    """The point-to-point plan of this transition and its price, or None where it does not apply.
+
+    ``plan_redistribute`` takes it when it is strictly cheaper than the collectives.
+
+    Example:
+        >>> p2p_plan(spec_s0_r_2x2, (Replicate(), Shard(0))).steps  # doctest: +SKIP
+        (p2p@[0, 1]: [S(0), R]->[R, S(0)] (...),)
+    """
+    mesh = src.mesh
+    cur = tuple(dst_placements[m] if mesh.shape[m] == 1 else p for m, p in enumerate(src.placements))
+    dst = tuple(dst_placements)
+    if cur == dst or mesh._coord is None or not permute.eligible(src.shape, cur, dst):
+        return None
+    price = permute.p2p_price(tuple(src.shape), mesh, cur, dst, src.dtype.itemsize)
+    if price is None:
+        return None
+    step = Step("p2p", tuple(range(mesh.ndim)), cur, dst, price.bytes)
+    return Plan((step,), COST_FACTOR["p2p"] * price.bytes + LATENCY * price.max_peers, fallback)
 
 
 def _fuse_gathers(steps: List[Step], gathers: List[int], spec: DTensorSpec) -> List[Step]:
@@ -206,23 +237,29 @@ def _reduce_steps(reduces: List[int], cur: List[Placement], dst, spec: DTensorSp
 
 # ---------------------------------------------------------------- execution
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst_placements: Tuple[Placement, ...], *,
-                       async_op: bool = False) -> torch.Tensor:
+                       async_op: bool = False, owned: bool = False) -> torch.Tensor:
     """Run the cached plan on this rank's shard; return the new shard.
+
+    ``owned=True`` hands ``local`` over: nobody else holds it or any view of it, so it may be
+    written in place (an in-place all-reduce) or returned as a view. Leave it False unless
+    that is certain: a wrong guess silently changes a tensor someone still uses.
 
     Example:
         >>> redistribute_local(local, spec, (Replicate(),))  # doctest: +SKIP
     """
     plan = plan_redistribute(src, tuple(dst_placements))
-    return run_plan(local, src, plan, async_op=async_op)
+    return run_plan(local, src, plan, async_op=async_op, owned=owned)
 
 
-def run_plan(local: torch.Tensor, src: DTensorSpec, plan: Plan, *, async_op: bool = False) -> torch.Tensor:
-    """Execute ``plan`` on ``local`` (the shard described by ``src``)."""
+def run_plan(local: torch.Tensor, src: DTensorSpec, plan: Plan, *, async_op: bool = False,
+             owned: bool = False) -> torch.Tensor:
+    """Execute ``plan`` on ``local`` (the shard described by ``src``); ``owned`` as in :func:`redistribute_local`."""
     if 0 in src.tensor_meta.shape:  # nothing to move: just the right empty shard (no numel(): it would specialize symbolic sizes)
         shape, _ = local_shape_and_offset(src.shape, src.mesh.shape, src.mesh._coord, _final(src, plan))
         return local.new_empty(shape)
+    if plan.fallback is not None and type(local) is not torch.Tensor and C.is_traced(local):
+        plan = plan.fallback  # torch.compile traces the functional collectives, not messages
     cur = list(src.placements)
-    owned = False  # the input belongs to the caller: never write into it
     last = len(plan.steps) - 1
     for i, step in enumerate(plan.steps):
         local = _RUN[step.kind](local, step, cur, src, owned, async_op and i == last)
@@ -391,7 +428,12 @@ def _run_to_partial(local, step: Step, cur, spec, owned, async_op):
     return local if owned else wait_all(local).clone()
 
 
+def _run_p2p(local, step: Step, cur, spec, owned, async_op):
+    return permute.run_p2p(local, spec, step.src, step.dst, owned, async_op)
+
+
 _RUN = {
+    "p2p": _run_p2p,
     "all_gather": _run_gather,
     "all_to_all": _run_all_to_all,
     "reduce_scatter": _run_reduce_scatter,
