@@ -390,7 +390,7 @@ def test_async_redistribute_matches_sync():
     for rank, results in enumerate(run_on_ranks(4, _async_vs_sync, _ASYNC_CASES)):
         for (shape, src, dst), (last, is_async, same_meta, equal, placements_ok, full_ok) in zip(_ASYNC_CASES, results):
             what = f"rank {rank}: {shape} {list(src)} -> {list(dst)}"
-            collective = last in ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
+            collective = last in ("all_gather", "all_to_all", "all_reduce", "reduce_scatter", "p2p")
             assert is_async == collective, f"{what}: last step {last}, AsyncTensor result: {is_async}"
             assert same_meta and placements_ok, what
             assert equal, f"{what}: async result differs from the sync one"

@@ -6,6 +6,7 @@ to a sum, 1/n to an average); max/min partials have no such rule and say so.
 """
 from __future__ import annotations
 
+import sys
 import zlib
 from typing import Optional, Sequence
 
@@ -97,9 +98,41 @@ class ToLocal(torch.autograd.Function):
         return _dt.DTensor(grad, spec, requires_grad=False), None
 
 
+# torch's count of the references to a tensor's storage (private; absent: never guess "sole owner").
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_owner(dt) -> bool:
+    """Whether ``dt``'s local tensor, and its memory, are reachable through ``dt`` alone.
+
+    The caller has checked that nothing but its own frame holds ``dt``. Then the local tensor
+    must be held by ``dt`` only (its refcount), own its memory (not a view) and share that
+    memory with no other tensor (the storage's use count: a view, a ``detach()`` copy, or a
+    result autograd saved for backward each hold it). Anything unusual answers False: a
+    wrong True silently changes a tensor someone still uses.
+    """
+    if _storage_use_count is None or dt._view_base is not None:
+        return False
+    local = dt._local_tensor
+    if type(local) is not torch.Tensor or local.requires_grad or local._base is not None:
+        return False
+    if sys.getrefcount(local) != 3:  # dt's attribute, this frame's name, getrefcount's argument
+        return False
+    storage = local.untyped_storage()
+    return _storage_use_count(storage._cdata) == 2  # ``local`` and ``storage`` (this frame's handle)
+
+
+def _handed_over(dt) -> bool:
+    """Whether the caller, which holds the only reference to ``dt``, may hand its local tensor over.
+
+    Never while torch.compile traces (no in-place collectives in a functional graph).
+    """
+    return not _is_compiling() and _sole_owner(dt)
+
+
 class Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt, device_mesh, placements, async_op):
+    def forward(ctx, dt, device_mesh, placements, async_op, owned=False):
         src = dt._spec
         mesh = src.mesh
         if device_mesh is not None and device_mesh != mesh:
@@ -114,7 +147,7 @@ class Redistribute(torch.autograd.Function):
         if src.placements == placements:
             local = dt._local_tensor
         else:
-            local = redistribute_local(dt._local_tensor, src, placements, async_op=async_op)
+            local = redistribute_local(dt._local_tensor, src, placements, async_op=async_op, owned=owned)
         return _dt.DTensor(local, src.with_placements(placements), requires_grad=False)
 
     @staticmethod
@@ -127,7 +160,7 @@ class Redistribute(torch.autograd.Function):
             grad = _dt.DTensor(local, grad._spec.with_placements(target))
         # No scaling: redistribution keeps the value, so the gradient of the value passes as is
         # (the 1/n of an average belongs to from_local, where local values become the value).
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 # full_tensor's target: Replicate on every mesh dim (a constant torch.compile can put in a graph).
@@ -241,9 +274,12 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
         return other_mesh_redistribute(self, device_mesh, placements, async_op)
     if placements is not None and type(placements) is not str:
         placements = tuple(placements)
+    # A temporary nobody else references (``(a @ b).redistribute(...)``: only this frame's
+    # ``self`` holds it) hands its local tensor over: a Partial -> Replicate all-reduces in place.
+    owned = sys.getrefcount(self) == 2 and _handed_over(self)
     # The same-mesh checks run inside (torch.compile records this call whole; a move to another
     # mesh is not supported under torch.compile and raises there).
-    return Redistribute.apply(self, device_mesh, placements, async_op)
+    return Redistribute.apply(self, device_mesh, placements, async_op, owned)
 
 
 def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
@@ -252,7 +288,8 @@ def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
     Example:
         >>> dt.full_tensor().shape  # doctest: +SKIP
     """
-    full = Redistribute.apply(self, None, _REPLICATE_ALL, False)
+    owned = sys.getrefcount(self) == 2 and _handed_over(self)  # as in redistribute
+    full = Redistribute.apply(self, None, _REPLICATE_ALL, False, owned)
     return full.to_local(grad_placements=grad_placements)
 
 

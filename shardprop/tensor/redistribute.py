@@ -415,10 +415,15 @@ def _run_chunk(local, step: Step, cur, spec, owned, async_op):
     d = step.dst[0].dim
     n = _parent_len(spec, cur, m, d)
     off, ln = chunk_bounds(n, spec.mesh.shape[m], spec.mesh._coord[m])
-    piece = wait_all(local).narrow(d, off, ln)
-    # Never hand back a view of the caller's tensor: an in-place op on the new shard
-    # would silently change the replicated original.
-    return piece.contiguous() if owned or not piece.is_contiguous() else piece.clone()
+    local = wait_all(local)
+    piece = local.narrow(d, off, ln)
+    # Never hand back a view of the caller's tensor: an in-place op on the new shard would
+    # silently change the replicated original. A view of a tensor we own (a gathered buffer, a
+    # temporary handed over) is safe, but it keeps all of that memory alive: only where the
+    # piece is at least half of it.
+    if owned and piece.is_contiguous() and 2 * piece.numel() >= local.numel():
+        return piece
+    return piece.contiguous() if not piece.is_contiguous() else piece.clone()
 
 
 def _run_to_partial(local, step: Step, cur, spec, owned, async_op):
