@@ -1,23 +1,26 @@
 """Benchmark redistribution: shardprop vs torch.distributed.tensor vs the raw c10d floor.
 
 Spawns 4 CPU ranks (gloo on 127.0.0.1, one thread each). For every transition
-of a float32 global tensor (16 MB by default) it times
+of a float32 global tensor, at each size (1, 16 and 64 MB by default), it times
 
 * ours:      ``shardprop`` ``x.redistribute(placements=...)``
 * reference: ``torch.distributed.tensor`` ``x.redistribute(placements=...)``
-* raw:       the bare c10d collective that moves the same bytes (the floor)
+* raw:       the bare c10d collective that moves the same bytes (the floor); for
+             permutation transitions (each rank needs at most one other rank's piece)
+             the floor is one ``batch_isend_irecv`` of exactly the needed bytes
 
 interleaved in rotating order, a ``dist.barrier()`` before every timed call;
 each sample is the max over ranks of that rank's elapsed time, and the table
 shows medians. Each transition is also checked once: ours and the reference
 must produce the same local shard (and match the expected one).
 
-Targets: ours <= 1.10x raw for transitions along dim 0, <= 1.5x where a layout
-copy is unavoidable, and never slower than the reference.
+Targets (issue 13): geomean of ours/raw over every row and size <= 1.15, and no
+row slower than the reference. Per row, for the reader: ours <= 1.10x raw for
+transitions along dim 0, <= 1.5x where a layout copy is unavoidable.
 
 Usage::
 
-    python bench/redistribute.py [--reps 20] [--warmup 3] [--size-mb 16] [--json out.json]
+    python bench/redistribute.py [--reps 20] [--warmup 3] [--sizes 1,16,64] [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ from _launch import launch  # noqa: E402
 WORLD = 4
 DIM0_TARGET = 1.10     # ours/raw where the data already lies in collective order
 LAYOUT_TARGET = 1.50   # ours/raw where a layout copy (pack or unpack) is unavoidable
+GEOMEAN_TARGET = 1.15  # geomean of ours/raw over all rows and sizes
+SIZES_MB = (1.0, 16.0, 64.0)
 CONTENDERS = ("ours", "ref", "raw")
 
 # torch 2.13 names the single-buffer collectives *_single; older torch has only the old names.
@@ -57,6 +62,8 @@ class Case:
     dst: Tuple[str, ...]
     target: float
     floor: str  # what the raw contender does (for the JSON and the reader)
+    # The source is the Partial output of ``S(1) @ S(0)`` (timed with it), not a tensor held by the bench.
+    mm: bool = False
 
 
 CASES = [
@@ -71,7 +78,18 @@ CASES = [
     Case("R->S(0)", (4,), ("R",), ("S0",), DIM0_TARGET, "clone of the local dim-0 chunk (no communication)"),
     Case("[S(0),S(1)]->[R,R] 2x2", (2, 2), ("S0", "S1"), ("R", "R"), LAYOUT_TARGET,
          "one all_gather_single over all 4 ranks of the local block"),
+    # Permutations: each rank needs at most one other rank's piece.
+    Case("[S(0),R]->[R,S(0)] 2x2", (2, 2), ("S0", "R"), ("R", "S0"), DIM0_TARGET,
+         "batch_isend_irecv: ranks 1 and 2 swap their halves (ranks 0 and 3 keep theirs)"),
+    Case("[S(0),S(1)]->[S(1),S(0)] 2x2", (2, 2), ("S0", "S1"), ("S1", "S0"), DIM0_TARGET,
+         "batch_isend_irecv: ranks 1 and 2 swap their blocks"),
+    Case("[S(0),S(0)]->[S(0),S(1)] 2x2", (2, 2), ("S0", "S0"), ("S0", "S1"), LAYOUT_TARGET,
+         "batch_isend_irecv: ranks 0-1 and 2-3 swap half their rows (packed once, outside the timing)"),
+    # The Partial a row-parallel matmul leaves: a temporary nobody else holds, reduced in place.
+    Case("mm->P->R", (4,), ("P",), ("R",), DIM0_TARGET,
+         "local mm of the two shards, then an in-place all_reduce of its output", mm=True),
 ]
+MM_INNER = 4  # inner (contracted) size of each rank's shard in the mm row: the matmul stays cheap
 
 
 # ------------------------------------------------------------------ per-rank side
@@ -105,12 +123,37 @@ def _materialize(local: torch.Tensor) -> torch.Tensor:
     return wait() if callable(wait) else local
 
 
-def _raw_floor(case: Case, n: int, rank: int, full: torch.Tensor) -> Callable[[], torch.Tensor]:
+def _swap(rank: int, partner: int, send: torch.Tensor, recv: torch.Tensor) -> Callable[[], None]:
+    """One batch_isend_irecv exchanging preallocated buffers with ``partner`` (nothing where it is this rank)."""
+    if partner == rank:
+        return lambda: None
+
+    def run():
+        ops = [dist.P2POp(dist.isend, send, partner, tag=7), dist.P2POp(dist.irecv, recv, partner, tag=7)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return run
+
+
+def _raw_floor(case: Case, n: int, rank: int, full: torch.Tensor, mm_args=None) -> Callable[[], torch.Tensor]:
     """The bare c10d call moving the same bytes as ``case``, buffers allocated once."""
+    i, j = rank // 2, rank % 2  # coordinate on the 2x2 mesh
+    if case.mm:
+        a, b = mm_args
+        return lambda: dist.all_reduce(torch.mm(a, b))
     if case.src == ("S0", "S1") and case.dst == ("R", "R"):
         block = full.chunk(2, 0)[rank // 2].chunk(2, 1)[rank % 2].contiguous()
         out = torch.empty(WORLD * block.numel())
         return lambda: _all_gather_flat(out, block.reshape(-1))
+    if case.src == ("S0", "R") and case.dst == ("R", "S0"):  # rows half i -> rows half j
+        mine = full.chunk(2, 0)[i].contiguous()
+        return _swap(rank, 2 * j + i, mine, torch.empty_like(mine))
+    if case.src == ("S0", "S1") and case.dst == ("S1", "S0"):  # block (i, j) -> block (j, i)
+        mine = full.chunk(2, 0)[i].chunk(2, 1)[j].contiguous()
+        return _swap(rank, 2 * j + i, mine, torch.empty_like(mine))
+    if case.src == ("S0", "S0") and case.dst == ("S0", "S1"):  # rows quarter 2i+j -> rows half i, cols half j
+        send = full.chunk(4, 0)[2 * i + j].chunk(2, 1)[1 - j].contiguous()
+        return _swap(rank, 2 * i + 1 - j, send, torch.empty_like(send))
     if case.src == ("S0",) and case.dst == ("R",) or case.src == ("S1",) and case.dst == ("R",):
         shard = full.chunk(WORLD, int(case.src[0][1]))[rank].contiguous()
         out = torch.empty(WORLD * shard.numel())
@@ -131,10 +174,11 @@ def _raw_floor(case: Case, n: int, rank: int, full: torch.Tensor) -> Callable[[]
     raise ValueError(case.name)
 
 
-def _check(case: Case, ours_in, ref_in, ours_dst, ref_dst, expected: torch.Tensor) -> Dict:
+def _check(case: Case, run_ours, run_ref, in_local: torch.Tensor, expected: torch.Tensor) -> Dict:
     """Run each side once and compare local results; flags are agreed over all ranks."""
-    y_ours = _materialize(ours_in.redistribute(placements=ours_dst).to_local())
-    y_ref = _materialize(ref_in.redistribute(placements=ref_dst).to_local())
+    before = in_local.clone()
+    y_ours = _materialize(run_ours())
+    y_ref = _materialize(run_ref())
     exact = "P" not in case.src
 
     def same(a, b):
@@ -142,21 +186,24 @@ def _check(case: Case, ours_in, ref_in, ours_dst, ref_dst, expected: torch.Tenso
             return False
         return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-4)
 
-    in_ptr = ours_in.to_local().untyped_storage().data_ptr()
+    in_ptr = in_local.untyped_storage().data_ptr()
     flags = torch.tensor([
         float(same(y_ours, y_ref)),
         float(same(y_ours, expected)),
         float(same(y_ref, expected)),
         float(y_ours.is_contiguous()),
+        float(torch.equal(in_local, before)),
     ])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     aliased = torch.tensor([float(y_ours.untyped_storage().data_ptr() == in_ptr)])
     dist.all_reduce(aliased, op=dist.ReduceOp.MAX)
     diff = torch.tensor([(y_ours.double() - y_ref.double()).abs().max().item()
-                         if y_ours.shape == y_ref.shape else float("inf")])
+                         if y_ours.shape == y_ref.shape and y_ours.numel() else 0.0 if y_ours.shape == y_ref.shape
+                         else float("inf")])
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return {"ours_eq_ref": bool(flags[0]), "ours_eq_expected": bool(flags[1]),
             "ref_eq_expected": bool(flags[2]), "ours_contiguous": bool(flags[3]),
+            "input_unchanged": bool(flags[4]),
             "ours_aliases_input": bool(aliased[0]), "max_abs_diff": diff.item(),
             "ours_shape": list(y_ours.shape), "ref_shape": list(y_ref.shape)}
 
@@ -181,8 +228,16 @@ def _time_case(fns: Dict[str, Callable], reps: int, warmup: int) -> Dict[str, Li
     return samples
 
 
-def bench_ranks(rank: int, world_size: int, n: int, reps: int, warmup: int) -> Dict:
-    """Body run on each rank; rank 0's return value is the result dict."""
+def bench_ranks(rank: int, world_size: int, sizes_mb: List[float], reps: int, warmup: int) -> Dict:
+    """Body run on each rank; rank 0's return value is the result dict (keyed "transition @ N MB")."""
+    assert world_size == WORLD
+    results = {}
+    for size_mb in sizes_mb:
+        results.update(_bench_size(rank, size_mb, reps, warmup))
+    return results
+
+
+def _bench_size(rank: int, size_mb: float, reps: int, warmup: int) -> Dict:
     import shardprop
     from shardprop import Partial, Replicate, Shard, distribute_tensor, init_device_mesh, plan_redistribute
     from torch.distributed.device_mesh import init_device_mesh as ref_init_device_mesh
@@ -190,7 +245,7 @@ def bench_ranks(rank: int, world_size: int, n: int, reps: int, warmup: int) -> D
     from torch.distributed.tensor import Partial as RP, Replicate as RR, Shard as RS
     from torch.distributed.tensor import distribute_tensor as ref_distribute
 
-    assert world_size == WORLD
+    n = _side_for(size_mb)
     ours_lib = {"Shard": Shard, "Replicate": Replicate, "Partial": Partial}
     ref_lib = {"Shard": RS, "Replicate": RR, "Partial": RP}
     meshes = {shape: (init_device_mesh("cpu", shape), ref_init_device_mesh("cpu", shape))
@@ -198,10 +253,15 @@ def bench_ranks(rank: int, world_size: int, n: int, reps: int, warmup: int) -> D
 
     full = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
     # Partial inputs: each rank holds a different full-size addend; the value is their sum.
-    addends = [torch.randn(n, n, generator=torch.Generator().manual_seed(1000 + r)) for r in range(WORLD)]
-    partial_sum = torch.stack(addends).sum(0)
-    my_addend = addends[rank]
-    del addends
+    partial_sum = torch.zeros(n, n)
+    for r in range(WORLD):
+        addend = torch.randn(n, n, generator=torch.Generator().manual_seed(1000 + r))
+        partial_sum += addend
+        if r == rank:
+            my_addend = addend
+    # The mm row: (n, 4k) @ (4k, n), the first sharded on dim 1, the second on dim 0.
+    mm_a = torch.randn(n, WORLD * MM_INNER, generator=torch.Generator().manual_seed(7))
+    mm_b = torch.randn(WORLD * MM_INNER, n, generator=torch.Generator().manual_seed(8))
 
     results = {}
     for case in CASES:
@@ -209,22 +269,37 @@ def bench_ranks(rank: int, world_size: int, n: int, reps: int, warmup: int) -> D
         coord = (rank // 2, rank % 2) if len(case.mesh_shape) == 2 else (rank,)
         src_o, dst_o = _placements(case.src, ours_lib), _placements(case.dst, ours_lib)
         src_r, dst_r = _placements(case.src, ref_lib), _placements(case.dst, ref_lib)
-        if "P" in case.src:
-            x = shardprop.DTensor.from_local(my_addend.clone(), mesh, src_o)
-            xr = RefDTensor.from_local(my_addend.clone(), ref_mesh, src_r)
-            value = partial_sum
+        mm_args = None
+        if case.mm:
+            a, b = distribute_tensor(mm_a, mesh, [Shard(1)]), distribute_tensor(mm_b, mesh, [Shard(0)])
+            ar, br = ref_distribute(mm_a, ref_mesh, [RS(1)]), ref_distribute(mm_b, ref_mesh, [RS(0)])
+            mm_args = (a.to_local(), b.to_local())
+            x = torch.mm(a, b)
+            value, in_local = mm_a @ mm_b, a.to_local()
+            run_ours = lambda: torch.mm(a, b).redistribute(placements=dst_o).to_local()  # noqa: E731
+            run_ref = lambda: torch.mm(ar, br).redistribute(placements=dst_r).to_local()  # noqa: E731
         else:
-            x = distribute_tensor(full, mesh, src_o)
-            xr = ref_distribute(full, ref_mesh, src_r)
-            value = full
+            if "P" in case.src:
+                x = shardprop.DTensor.from_local(my_addend.clone(), mesh, src_o)
+                xr = RefDTensor.from_local(my_addend.clone(), ref_mesh, src_r)
+                value = partial_sum
+            else:
+                x = distribute_tensor(full, mesh, src_o)
+                xr = ref_distribute(full, ref_mesh, src_r)
+                value = full
+            in_local = x.to_local()
+            run_ours = lambda: x.redistribute(placements=dst_o).to_local()  # noqa: E731
+            run_ref = lambda: xr.redistribute(placements=dst_r).to_local()  # noqa: E731
         plan = plan_redistribute(x._spec, tuple(dst_o))
-        entry = {"floor": case.floor, "target": case.target, "plan": [repr(s) for s in plan.steps]}
+        key = f"{case.name} @ {size_mb:g} MB"
+        entry = {"case": case.name, "size_mb": size_mb, "n": n, "floor": case.floor, "target": case.target,
+                 "plan": [repr(s) for s in plan.steps]}
         try:
-            entry["check"] = _check(case, x, xr, dst_o, dst_r, _expected_local(value, coord, case.dst))
+            entry["check"] = _check(case, run_ours, run_ref, in_local, _expected_local(value, coord, case.dst))
             fns = {
-                "ours": lambda: _materialize(x.redistribute(placements=dst_o).to_local()),
-                "ref": lambda: _materialize(xr.redistribute(placements=dst_r).to_local()),
-                "raw": _raw_floor(case, n, rank, full),
+                "ours": lambda: _materialize(run_ours()),
+                "ref": lambda: _materialize(run_ref()),
+                "raw": _raw_floor(case, n, rank, full, mm_args),
             }
             samples = _time_case(fns, reps, warmup)
             entry["samples_ms"] = samples
@@ -238,8 +313,8 @@ def bench_ranks(rank: int, world_size: int, n: int, reps: int, warmup: int) -> D
             entry["ours_faster_in"] = sum(p < 1 for p in paired)
         except Exception as e:  # record and go on: one broken transition should not hide the rest
             entry["error"] = f"{type(e).__name__}: {e}"  # (a rank-local failure hangs until the timeout)
-            print(f"[rank {rank}] {case.name}: {entry['error']}", file=sys.stderr, flush=True)
-        results[case.name] = entry
+            print(f"[rank {rank}] {key}: {entry['error']}", file=sys.stderr, flush=True)
+        results[key] = entry
         dist.barrier()
     return results
 
@@ -255,7 +330,7 @@ def _geomean(xs: List[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def report(results: Dict, n: int, reps: int) -> None:
+def report(results: Dict, reps: int) -> None:
     """Print the table, the geomeans, the checks and the rows that miss their target."""
     from tabulate import tabulate
 
@@ -267,7 +342,7 @@ def report(results: Dict, n: int, reps: int) -> None:
             continue
         ours, ref, raw = r["ours_ms"], r["ref_ms"], r["raw_ms"]
         r["ours_over_raw"], r["ref_over_raw"], r["ours_over_ref"] = ours / raw, ref / raw, ours / ref
-        rows.append([name, ours, ref, raw, ours / raw, ref / raw, ours / ref])
+        rows.append([r["case"], f"{r['size_mb']:g}", ours, ref, raw, ours / raw, ref / raw, ours / ref])
         why = []
         if ours / raw > r["target"]:
             why.append(f"ours/raw {ours / raw:.2f} > {r['target']:.2f}")
@@ -285,43 +360,60 @@ def report(results: Dict, n: int, reps: int) -> None:
             warnings.append(f"  WARNING {name}: ours != expected shard")
         if not c["ref_eq_expected"]:
             warnings.append(f"  WARNING {name}: reference != expected shard")
+        if not c["input_unchanged"]:
+            warnings.append(f"  WARNING {name}: the input changed")
         if c["ours_aliases_input"]:
             notes.append(f"  note {name}: ours returns a view of the input (the reference copies)")
-    print(f"\nredistribute: {WORLD} ranks (gloo, 1 thread each), float32 {n}x{n} "
-          f"({n * n * 4 / 2**20:.1f} MB), median of {reps} reps, ms = max over ranks\n")
-    print(tabulate(rows, headers=["transition", "ours ms", "reference ms", "raw ms", "ours/raw", "ref/raw",
+    sizes = sorted({r["size_mb"] for r in results.values() if "size_mb" in r})
+    print(f"\nredistribute: {WORLD} ranks (gloo, 1 thread each), float32 square tensors of "
+          f"{', '.join(f'{s:g}' for s in sizes)} MB, median of {reps} reps, ms = max over ranks\n")
+    print(tabulate(rows, headers=["transition", "MB", "ours ms", "reference ms", "raw ms", "ours/raw", "ref/raw",
                                   "ours/ref"], floatfmt=".3f"))
-    g_ours = _geomean([r[4] for r in rows])
-    g_ref = _geomean([r[5] for r in rows])
-    print(f"\ngeomean ours/raw {g_ours:.3f}   ref/raw {g_ref:.3f}")
+    g_ours = _geomean([r[5] for r in rows])
+    g_ref = _geomean([r[6] for r in rows])
+    per_size = {s: (_geomean([r[5] for r in rows if r[1] == f"{s:g}"]), _geomean([r[6] for r in rows if r[1] == f"{s:g}"]))
+                for s in sizes}
+    for s, (go, gr) in per_size.items():
+        print(f"geomean at {s:g} MB: ours/raw {go:.3f}   ref/raw {gr:.3f}")
+    print(f"\ngeomean over {len(rows)} rows: ours/raw {g_ours:.3f} (target <= {GEOMEAN_TARGET})   ref/raw {g_ref:.3f}")
     print("\nplans (ours):")
     for name, r in results.items():
-        print(f"  {name}: " + ("; ".join(r["plan"]) or "(no steps)"))
-    print("\nchecks: " + ("ours == reference == expected shard on every transition" if not warnings else ""))
+        if r.get("size_mb") == sizes[-1]:
+            print(f"  {r['case']}: " + ("; ".join(r["plan"]) or "(no steps)"))
+    print("\nchecks: " + ("ours == reference == expected shard on every transition, inputs unchanged"
+                          if not warnings else ""))
     for w in warnings + notes:
         print(w)
-    print(f"\ntargets (ours/raw <= {DIM0_TARGET} along dim 0, <= {LAYOUT_TARGET} with a layout copy, "
+    print(f"\nper-row targets (ours/raw <= {DIM0_TARGET} along dim 0, <= {LAYOUT_TARGET} with a layout copy, "
           "ours <= reference): " + ("all met" if not misses else "missed by"))
     for m in misses:
         print(m)
-    results["_summary"] = {"geomean_ours_over_raw": g_ours, "geomean_ref_over_raw": g_ref, "n": n,
-                           "world_size": WORLD}
+    results["_summary"] = {"geomean_ours_over_raw": g_ours, "geomean_ref_over_raw": g_ref, "sizes_mb": sizes,
+                           "per_size": {f"{s:g}": v for s, v in per_size.items()}, "world_size": WORLD,
+                           "geomean_target": GEOMEAN_TARGET}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per contender (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up rounds (default 3)")
-    ap.add_argument("--size-mb", type=float, default=16.0, help="global tensor size in MB (default 16)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON, keyed by transition")
+    ap.add_argument("--sizes", default=",".join(f"{s:g}" for s in SIZES_MB),
+                    help="comma-separated global tensor sizes in MB (default 1,16,64)")
+    ap.add_argument("--size-mb", type=float, help="one size only (same as --sizes N)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON, keyed by transition and size")
     args = ap.parse_args(argv)
     if args.reps < 2:
         ap.error("--reps must be at least 2")
+    try:
+        sizes = [args.size_mb] if args.size_mb else [float(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sizes: expected numbers like 1,16,64, got {args.sizes!r}")
+    if not sizes or min(sizes) <= 0:
+        ap.error("--sizes: give at least one positive size")
 
-    n = _side_for(args.size_mb)
     t0 = time.perf_counter()
-    results = launch(bench_ranks, WORLD, n, args.reps, args.warmup, timeout_s=120)
-    report(results, n, args.reps)
+    results = launch(bench_ranks, WORLD, sizes, args.reps, args.warmup, timeout_s=600)
+    report(results, args.reps)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

@@ -130,25 +130,30 @@ def _handed_over(dt) -> bool:
     return not _is_compiling() and _sole_owner(dt)
 
 
+def _same_mesh(dt, device_mesh, placements, async_op: bool, owned: bool) -> "_dt.DTensor":
+    """``dt`` laid out as ``placements`` on its own mesh (the body of Redistribute.forward)."""
+    src = dt._spec
+    mesh = src.mesh
+    if device_mesh is not None and device_mesh != mesh:
+        raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
+                         "redistribution happens within one mesh")
+    if placements is None:
+        raise ValueError("redistribute: give the target placements")
+    if type(placements) is str:  # _REPLICATE_ALL
+        placements = (Replicate(),) * mesh.ndim
+    placements = normalize_placements(placements, dt.ndim, mesh.ndim, "redistribute")
+    if src.placements == placements:
+        local = dt._local_tensor
+    else:
+        local = redistribute_local(dt._local_tensor, src, placements, async_op=async_op, owned=owned)
+    return _dt.DTensor(local, src.with_placements(placements), requires_grad=False)
+
+
 class Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, device_mesh, placements, async_op, owned=False):
-        src = dt._spec
-        mesh = src.mesh
-        if device_mesh is not None and device_mesh != mesh:
-            raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
-                             "redistribution happens within one mesh")
-        if placements is None:
-            raise ValueError("redistribute: give the target placements")
-        if type(placements) is str:  # _REPLICATE_ALL
-            placements = (Replicate(),) * mesh.ndim
-        placements = normalize_placements(placements, dt.ndim, mesh.ndim, "redistribute")
-        ctx.src = src
-        if src.placements == placements:
-            local = dt._local_tensor
-        else:
-            local = redistribute_local(dt._local_tensor, src, placements, async_op=async_op, owned=owned)
-        return _dt.DTensor(local, src.with_placements(placements), requires_grad=False)
+        ctx.src = dt._spec
+        return _same_mesh(dt, device_mesh, placements, async_op, owned)
 
     @staticmethod
     def backward(ctx, grad):
@@ -277,6 +282,8 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
     # A temporary nobody else references (``(a @ b).redistribute(...)``: only this frame's
     # ``self`` holds it) hands its local tensor over: a Partial -> Replicate all-reduces in place.
     owned = sys.getrefcount(self) == 2 and _handed_over(self)
+    if not self.requires_grad and not _is_compiling():  # no graph to record: skip the autograd Function
+        return _same_mesh(self, device_mesh, placements, async_op, owned)
     # The same-mesh checks run inside (torch.compile records this call whole; a move to another
     # mesh is not supported under torch.compile and raises there).
     return Redistribute.apply(self, device_mesh, placements, async_op, owned)
@@ -289,6 +296,8 @@ def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         >>> dt.full_tensor().shape  # doctest: +SKIP
     """
     owned = sys.getrefcount(self) == 2 and _handed_over(self)  # as in redistribute
+    if not self.requires_grad and not _is_compiling():
+        return _same_mesh(self, None, _REPLICATE_ALL, False, owned)._local_tensor
     full = Redistribute.apply(self, None, _REPLICATE_ALL, False, owned)
     return full.to_local(grad_placements=grad_placements)
 
