@@ -372,13 +372,15 @@ def p2p_group(mesh):
 
 
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tuple[torch.Tensor, int, int]], mesh,
-              result: torch.Tensor, *, async_op: bool = False, finish=None, finish_shape=None) -> torch.Tensor:
+              result: torch.Tensor, *, async_op: bool = False, finish=None, finish_shape=None,
+              meanwhile=None) -> torch.Tensor:
     """Send and receive pieces point to point, all in one ``batch_isend_irecv``; return ``result``.
 
     ``sends`` and ``recvs`` hold ``(tensor, peer, tag)`` with ``peer`` a global rank and ``tag``
     the same number on both ends of a message. Receive buffers are written in place (views of
     ``result`` where the piece is one run of its memory); ``finish`` (e.g. copying pieces
-    received elsewhere) runs once every message arrived. Counted as ``send`` and ``recv``.
+    received elsewhere) runs once every message arrived; ``meanwhile`` (local work that touches no
+    buffer of a message) runs right after the messages are posted. Counted as ``send`` and ``recv``.
 
     Example:
         >>> out = torch.empty(4)  # doctest: +SKIP
@@ -393,6 +395,8 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer, tag in recvs]
     work = _AllWork(dist.batch_isend_irecv(ops) if ops else [])
+    if meanwhile is not None:
+        meanwhile()
     if async_op:
         return AsyncTensor(work, result, finish, finish_shape)
     work.wait()

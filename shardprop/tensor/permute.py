@@ -15,6 +15,7 @@ import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
@@ -113,18 +114,18 @@ def run_p2p(local: torch.Tensor, spec, cur, dst, owned: bool, async_op: bool) ->
     Example:
         >>> run_p2p(local, spec, (Shard(0), Replicate()), (Replicate(), Shard(0)), False, False)  # doctest: +SKIP
     """
-    import torch.distributed as dist
-
     mesh = spec.mesh
     local = wait_all(local)
     prog = _program(tuple(spec.shape), mesh, tuple(cur), tuple(dst), dist.get_rank())
     sends = [(narrow(local, box), peer, tag) for box, peer, tag in prog.sends]
+    keep = None
     if prog.whole and owned and local.is_contiguous():
         out = local  # nothing arrives: the shard is the input, which nobody else holds
     else:
         out = local.new_empty(prog.out_shape)
-        if prog.keep is not None:
-            narrow(out, prog.keep[1]).copy_(narrow(local, prog.keep[0]))
+        if prog.keep is not None:  # copied while the messages travel (it writes no received piece)
+            def keep(out=out, to=prog.keep[1], frm=prog.keep[0]):
+                narrow(out, to).copy_(narrow(local, frm))
     recvs, scattered = [], []
     for box, peer, tag in prog.recvs:
         view = narrow(out, box)
@@ -140,7 +141,7 @@ def run_p2p(local: torch.Tensor, spec, cur, dst, owned: bool, async_op: bool) ->
             view.copy_(buf)
         return res
     return C.send_recv(sends, recvs, mesh, out, async_op=async_op, finish=finish if scattered else None,
-                       finish_shape=prog.out_shape)
+                       finish_shape=prog.out_shape, meanwhile=keep)
 
 
 def moved_bytes_per_rank(shape, mesh, cur, dst, itemsize: int):
