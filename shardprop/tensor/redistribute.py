@@ -317,12 +317,21 @@ def _run_gather(local, step: Step, cur, spec, owned, async_op):
         shape[d] = n
 
         def fix(buf, d=d, n=n, shape=piece.shape):
-            b = buf.view(k, *shape).movedim(0, d)
-            merged = list(shape)
-            merged[d] = k * c
-            out = b.reshape(merged)
-            # Uneven: drop the padding with one more copy, so the shard stays contiguous.
-            return out if n == k * c else out.narrow(d, 0, n).contiguous()
+            if n == k * c:
+                b = buf.view(k, *shape).movedim(0, d)
+                merged = list(shape)
+                merged[d] = k * c
+                return b.reshape(merged)  # the one layout copy
+            # Uneven: each rank's piece, padding dropped, straight into the final layout (still one copy).
+            final = list(shape)
+            final[d] = n
+            out = buf.new_empty(final)
+            pieces = buf.view(k, *shape)
+            for r in range(k):
+                off, ln = chunk_bounds(n, k, r)
+                if ln:
+                    out.narrow(d, off, ln).copy_(pieces[r].narrow(d, 0, ln))
+            return out
     return C.all_gather(piece, spec.mesh, (m,), async_op=async_op, finish=fix, finish_shape=shape)
 
 
