@@ -24,7 +24,7 @@ transitions along dim 0, <= 1.5x where a layout copy is unavoidable.
 
 Usage::
 
-    python bench/redistribute.py [--reps 20] [--warmup 3] [--sizes 1,16,64] [--json out.json]
+    python bench/redistribute.py [--reps 10] [--warmup 3] [--sizes 1,16,64] [--json out.json]
 """
 from __future__ import annotations
 
@@ -415,7 +415,7 @@ def report(results: Dict, reps: int) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per contender (default 20)")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per contender (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up rounds (default 3)")
     ap.add_argument("--sizes", default=",".join(f"{s:g}" for s in SIZES_MB),
                     help="comma-separated global tensor sizes in MB (default 1,16,64)")
