@@ -1,0 +1,221 @@
+"""The eager fast path of ColwiseParallel / RowwiseParallel on ``nn.Linear``: local compute, explicit collectives.
+
+Instead of running ``F.linear`` on DTensors (``t``, ``mm``/``addmm`` and their backward
+each going through the dispatcher), a styled Linear's forward takes the input's local
+piece, runs ``F.linear`` on the local weight and bias, and moves data with a few small
+autograd functions over mesh collectives, as hand-written Megatron TP does:
+
+style     input (plain, default R / S(-1))       output (default S(-1) / R)
+--------  -------------------------------------  -----------------------------------------------
+Colwise   R: identity fwd, all-reduce bwd         S(-1): nothing; other: gather fwd, chunk bwd
+          S(d): all-gather fwd, reduce-scatter    (e.g. R for full logits)
+Rowwise   S(-1): nothing                          R: all-reduce fwd (in place), identity bwd
+          other: redistributed, inverse bwd       S(d): reduce-scatter fwd, all-gather bwd
+
+DTensor inputs are redistributed to the layout the style needs (differentiable) and
+unwrapped with a gradient layout that matches what DTensor dispatch would produce
+(``Partial`` for a replicated input of a column-parallel matmul), so the surrounding
+DTensor code sees the same layouts as before. Parameters stay DTensor ``nn.Parameter``s:
+the local weight is taken through a one-node autograd path whose backward wraps the
+local gradient as a DTensor laid out like the parameter (a ``Partial`` bias gradient is
+reduced by the parameter's hook), so optimizers, checkpoints and ``explain`` see what
+they saw. Every collective goes through ``shardprop.mesh.collectives`` (so
+``comm_counter()`` counts it). Under ``torch.compile`` the forward runs the DTensor path.
+
+Example:
+    >>> parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})  # doctest: +SKIP
+    >>> mlp(x)  # up: local matmul; down: local matmul + one all-reduce; backward: one all-reduce
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from shardprop.mesh import collectives as C
+from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
+from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.redistribute import redistribute_local
+
+_is_compiling = torch.compiler.is_compiling
+_R = (Replicate(),)
+_P = (Partial(),)
+_MESH_DIM = (0,)  # styles run on 1-d meshes
+
+
+# ---------------------------------------------------------------- autograd pieces
+class _LocalOf(torch.autograd.Function):
+    """A DTensor's local tensor; backward wraps the local gradient as a DTensor with ``grad_spec``."""
+
+    @staticmethod
+    def forward(ctx, dt, grad_spec):
+        ctx.grad_spec = grad_spec
+        local = dt._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.grad_spec
+        stride = stride_like(grad, spec.shape)
+        if stride != spec.tensor_meta.stride:  # the gradient's memory order, not the forward's
+            spec = make_spec(spec.mesh, spec.placements, spec.shape, stride, spec.dtype)
+        return DTensor(grad, spec), None
+
+
+class _CopyIn(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward (a replicated input of a column-parallel matmul)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad, ctx.mesh, _MESH_DIM), None  # a fresh tensor: autograd may hold grad
+
+
+class _ReduceOut(torch.autograd.Function):
+    """All-reduce forward, in place (the matmul output is a temporary); identity backward."""
+
+    @staticmethod
+    def forward(ctx, y, mesh):
+        C.all_reduce(y, mesh, _MESH_DIM, inplace=True)
+        ctx.mark_dirty(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Relayout(torch.autograd.Function):
+    """Local piece of ``spec`` -> local piece of ``dst``; backward: a gradient piece in ``grad_src`` -> ``grad_dst``.
+
+    E.g. a sequence-sharded input gathered for a column-parallel matmul (``S(1) -> R``,
+    gradient ``P -> S(1)``: a reduce-scatter), or a row-parallel output scattered onto the
+    sequence (``P -> S(1)``, gradient ``S(1) -> R``: an all-gather).
+    """
+
+    @staticmethod
+    def forward(ctx, x, spec, dst, grad_src, grad_dst):
+        ctx.grad_spec, ctx.grad_dst = spec.with_placements(grad_src), grad_dst
+        out = redistribute_local(x, spec, dst)
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return redistribute_local(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
+
+
+def _spec_of_local(local: torch.Tensor, mesh, placements):
+    """The spec of a plain tensor taken as this rank's piece of ``placements`` (even shards, like from_local)."""
+    shape = list(local.shape)
+    p = placements[0]
+    if type(p) is Shard:
+        shape[p.dim] *= mesh.size()
+    return make_spec(mesh, placements, shape, None, local.dtype)
+
+
+def _grad_placements(placements) -> tuple:
+    return _R if type(placements[0]) is Partial else placements
+
+
+# ---------------------------------------------------------------- the forward
+class FusedLinear:
+    """What a styled Linear's forward needs: mesh, layouts, and whether it is column- or row-parallel.
+
+    ``forward(module, x)`` is installed as the module's ``forward`` (via ``functools.partial``,
+    so ``copy.deepcopy`` of the model rebinds it to the copy). ``hooked(module, x)`` is the
+    DTensor path (used while torch.compile traces).
+    """
+
+    def __init__(self, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool, hooked):
+        self.what, self.colwise, self.mesh = what, colwise, mesh
+        self.in_layout, self.out_layout, self.use_local = in_layout, out_layout, use_local_output
+        self.hooked = hooked
+        self._norm = {}
+
+    def __deepcopy__(self, memo):
+        return self  # immutable after construction; the mesh is shared, as DTensors share it
+
+    def placements(self, layout, ndim: int) -> tuple:
+        """``layout`` as a normalized 1-tuple for a tensor of ``ndim`` dims (Shard(-1) -> Shard(ndim-1)), cached."""
+        key = (layout, ndim)
+        p = self._norm.get(key)
+        if p is None:
+            p = self._norm[key] = normalize_placements((layout,), ndim, 1, "parallel style")
+        return p
+
+    def forward(self, module, x):
+        """The Linear's forward under the style: local matmul plus explicit collectives."""
+        if _is_compiling() or not isinstance(x, torch.Tensor):
+            return self.hooked(module, x)
+        mesh, ndim = self.mesh, x.ndim
+        last = self.placements(Shard(-1), ndim)
+        out = self.placements(self.out_layout, ndim)
+        b = module.bias
+        if b is not None and not self.colwise and out == last:
+            return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
+        xl = self._local_input(x, _R if self.colwise else last)
+        w = module.weight
+        w = _LocalOf.apply(w, w._spec)
+        if self.colwise:
+            y = F.linear(xl, w, None if b is None else _LocalOf.apply(b, b._spec))
+            have = last
+            spec = _spec_of_local(y, mesh, have)
+        else:
+            y = F.linear(xl, w)
+            have = _P
+            spec = make_spec(mesh, have, y.shape, None, y.dtype)
+        if out != have:
+            if have is _P and out == _R and y.is_contiguous():
+                y = _ReduceOut.apply(y, mesh)
+            else:
+                y = _Relayout.apply(y, spec, out, _grad_placements(out), _grad_placements(have))
+        if b is not None and not self.colwise:  # added once, after the reduction (bias is replicated)
+            grad_spec = b._spec if out == _R else b._spec.with_placements(_P)  # a sequence piece's sum is partial
+            y = y + _LocalOf.apply(b, grad_spec)
+        if self.use_local:
+            return y
+        return DTensor.from_local(y, mesh, out, shape=spec.shape)
+
+    def _local_input(self, x, want: tuple):
+        mesh = self.mesh
+        if isinstance(x, DTensor):
+            if x._spec.mesh != mesh:
+                raise ValueError(f"{self.what}: the input DTensor lives on {x._spec.mesh}, the layer's weight on "
+                                 f"{mesh}; redistribute it onto the layer's mesh first")
+            if x._spec.placements != want:
+                x = x.redistribute(placements=want)
+            # The gradient of a replicated input of a column-parallel matmul is a partial sum: leave its
+            # reduction to whoever made the input (one reduce-scatter for q, k and v together, say).
+            spec = x._spec
+            return _LocalOf.apply(x, spec.with_placements(_P) if want is _R else spec)
+        have = self.placements(self.in_layout, x.ndim)
+        if have == want:
+            return _CopyIn.apply(x, mesh) if want is _R else x
+        grad_want = _P if want is _R else want
+        return _Relayout.apply(x, _spec_of_local(x, mesh, have), want, grad_want, _grad_placements(have))
+
+
+def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool,
+            hooked) -> bool:
+    """Give a styled ``nn.Linear`` the fast forward if the layouts allow it; False to keep the DTensor path.
+
+    Partial input or output layouts keep the DTensor path (so does, at call time, a row-parallel
+    bias under a feature-sharded output: the bias would need its own layout there).
+
+    Example:
+        >>> install(lin, "ColwiseParallel on 'wq'", True, mesh, Replicate(), Shard(-1), True, hooked)  # doctest: +SKIP
+        True
+    """
+    if type(in_layout) is Partial or type(out_layout) is Partial:
+        return False
+    fused = FusedLinear(what, colwise, mesh, in_layout, out_layout, use_local_output, hooked)
+    module.forward = functools.partial(fused.forward, module)
+    return True
+
+
+__all__ = ["FusedLinear", "install"]
