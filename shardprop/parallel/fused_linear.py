@@ -56,6 +56,7 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _forget_input()
         spec = ctx.grad_spec
         stride = stride_like(grad, spec.shape)
         if stride != spec.tensor_meta.stride:  # the gradient's memory order, not the forward's
@@ -73,6 +74,7 @@ class _CopyIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _forget_input()
         return C.all_reduce(grad, ctx.mesh, _MESH_DIM), None  # a fresh tensor: autograd may hold grad
 
 
@@ -106,6 +108,7 @@ class _Relayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _forget_input()
         return redistribute_local(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
 
 
@@ -182,6 +185,22 @@ class FusedLinear:
         return DTensor.from_local(y, mesh, out, shape=spec.shape)
 
     def _local_input(self, x, want: tuple):
+        if want is not _R:
+            return self._convert_input(x, want)
+        # Several column-parallel layers fed the same tensor (q, k, v; w1, w3) share one local input,
+        # so autograd sums their input gradients before the one collective that reduces them.
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return self._convert_input(x, want)
+        global _last_input
+        last = _last_input
+        if last is not None and last[0] is x and last[1] == x._version and last[2] is self.mesh \
+                and last[3] == self.in_layout:
+            return last[4]
+        out = self._convert_input(x, want)
+        _last_input = (x, x._version, self.mesh, self.in_layout, out)
+        return out
+
+    def _convert_input(self, x, want: tuple):
         mesh = self.mesh
         if isinstance(x, DTensor):
             if x._spec.mesh != mesh:
@@ -198,6 +217,17 @@ class FusedLinear:
             return _CopyIn.apply(x, mesh) if want is _R else x
         grad_want = _P if want is _R else want
         return _Relayout.apply(x, _spec_of_local(x, mesh, have), want, grad_want, _grad_placements(have))
+
+
+# The last replicated local input made with autograd recording: (input, its version, mesh, declared
+# input layout, local input). Cleared by the first backward through any node below, so it keeps an
+# activation alive only from one forward to its backward (or to the next forward).
+_last_input = None
+
+
+def _forget_input() -> None:
+    global _last_input
+    _last_input = None
 
 
 def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool,
