@@ -58,10 +58,21 @@ class _LocalOf(torch.autograd.Function):
     def backward(ctx, grad):
         _forget_input()
         spec = ctx.grad_spec
-        stride = stride_like(grad, spec.shape)
-        if stride != spec.tensor_meta.stride:  # the gradient's memory order, not the forward's
-            spec = make_spec(spec.mesh, spec.placements, spec.shape, stride, spec.dtype)
+        # The spec's strides must describe the gradient's memory order, not the forward's.
+        if grad.is_contiguous():
+            spec = _contiguous_twin(spec)
+        else:
+            stride = stride_like(grad, spec.shape)
+            if stride != spec.tensor_meta.stride:
+                spec = make_spec(spec.mesh, spec.placements, spec.shape, stride, spec.dtype)
         return DTensor(grad, spec), None
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_twin(spec):
+    """``spec`` with contiguous strides (itself when they are): specs are interned, so this caches by identity."""
+    twin = make_spec(spec.mesh, spec.placements, spec.shape, None, spec.dtype)
+    return spec if twin.tensor_meta.stride == spec.tensor_meta.stride else twin
 
 
 class _CopyIn(torch.autograd.Function):
@@ -167,11 +178,13 @@ class FusedLinear:
         if self.colwise:
             y = F.linear(xl, w, None if b is None else _LocalOf.apply(b, b._spec))
             have = last
-            spec = _spec_of_local(y, mesh, have)
         else:
             y = F.linear(xl, w)
             have = _P
-            spec = make_spec(mesh, have, y.shape, None, y.dtype)
+        # The global shape: a column-parallel output's feature dim is split evenly (checked when the
+        # style was applied); a row-parallel partial sum has the global shape already.
+        spec = None if out == have and self.use_local else \
+            _spec_of_local(y, mesh, have) if self.colwise else make_spec(mesh, have, y.shape, None, y.dtype)
         if out != have:
             if have is _P and out == _R and y.is_contiguous():
                 y = _ReduceOut.apply(y, mesh)

@@ -23,6 +23,7 @@ Example (a Megatron-style MLP: one all-reduce forward, one backward)::
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -40,6 +41,13 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _placements_of(layout: Placement, ndim: int) -> tuple:
+    if _is_compiling():  # dynamo need not trace a cache
+        return normalize_placements((layout,), ndim, 1, "parallel style")
+    return _normalized(layout, ndim)
+
+
+@functools.lru_cache(maxsize=256)
+def _normalized(layout: Placement, ndim: int) -> tuple:
     return normalize_placements((layout,), ndim, 1, "parallel style")
 
 
