@@ -44,6 +44,13 @@ class QKV(nn.Module):
         return self.o(self.q(x) * self.k(x) + self.v(x))
 
 
+class Doubled(nn.Linear):
+    """A Linear subclass with a forward of its own: the styles keep the DTensor path for it."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
 def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -119,8 +126,11 @@ def _cases(dp_mesh_shape):
     optims = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)}
 
+    two_d = len(dp_mesh_shape) == 2  # the tp dim of a 2x2 mesh: the main cases only (the 1-d run has them all)
     for bias in (True, False):
         for oname, opt in optims.items():
+            if two_d and (oname == "sgd" or not bias):
+                continue
             # Megatron MLP, plain replicated input.
             torch.manual_seed(0)
             ref = MLP(bias)
@@ -128,7 +138,7 @@ def _cases(dp_mesh_shape):
             torch.manual_seed(10 + dp_rank)  # each dp group its own data
             x = torch.randn(2, 2 * n, 8)
             xin = x.clone().requires_grad_()
-            _compare(f"MLP bias={bias} {oname}", model, ref, xin, x, same, _XGrad(xin, same), opt, steps=3)
+            _compare(f"MLP bias={bias} {oname}", model, ref, xin, x, same, _XGrad(xin, same), opt, steps=2)
             before = _dispatches()
             with comm_counter() as fwd:
                 out = model(xin)
@@ -146,7 +156,7 @@ def _cases(dp_mesh_shape):
             torch.manual_seed(20 + dp_rank)
             x = torch.randn(2, 2 * n, 8)
             xin = seq(x).requires_grad_()
-            _compare(f"SP MLP bias={bias} {oname}", model, ref, xin, x, seq, _XGrad(xin, seq), opt, steps=3)
+            _compare(f"SP MLP bias={bias} {oname}", model, ref, xin, x, seq, _XGrad(xin, seq), opt, steps=2)
             with comm_counter() as fwd:
                 out = model(xin)
             assert out.shape == (2, 2, 8), out.shape
@@ -154,6 +164,8 @@ def _cases(dp_mesh_shape):
                 out.sum().backward()
             counts[f"sp bias={bias}"] = (_counts(fwd), _counts(bwd))
 
+        if two_d:
+            continue
         # Column-parallel with a replicated output (full logits), as a DTensor or a local tensor.
         for use_local in (True, False):
             torch.manual_seed(2)
@@ -214,6 +226,17 @@ def _cases(dp_mesh_shape):
     counts["qkv"] = (_counts(fwd), _counts(bwd))
     with torch.no_grad():  # no autograd: no shared input kept, same values
         torch.testing.assert_close(model(x), ref(x), **TOL)
+
+    # Layouts the fast path leaves to the DTensor path: a subclass's own forward; a row-parallel bias
+    # under a feature-sharded output.
+    torch.manual_seed(7)
+    ref = nn.Sequential(Doubled(8, 16), nn.ReLU(), nn.Linear(16, 4 * n))
+    model = parallelize_module(copy.deepcopy(ref), tp, {"0": ColwiseParallel(),
+                                                        "2": RowwiseParallel(output_layouts=Shard(-1))})
+    x = torch.randn(3, 8)
+    xin = x.clone().requires_grad_()
+    _compare("subclass forward; rowwise bias, S(-1) out", model, ref, xin, x,
+             lambda t: local_chunk(t, tp, [Shard(1)]), _XGrad(xin, same))
     return counts
 
 
@@ -228,8 +251,10 @@ def test_fused_linear_matches_single_process(shape):
     # The replicated bias of a sequence-sharded row-parallel output: each rank's gradient covers its
     # sequence piece, so one all-reduce more.
     sp_bias = (sp[0], dict(sp[1], all_reduce=1))
-    assert counts == {"mlp bias=True": ar1, "mlp bias=False": ar1, "sp bias=True": sp_bias, "sp bias=False": sp,
-                      "qkv": ar1}, counts
+    want = {"mlp bias=True": ar1, "mlp bias=False": ar1, "sp bias=True": sp_bias, "sp bias=False": sp, "qkv": ar1}
+    if len(shape) == 2:
+        want = {k: v for k, v in want.items() if "False" not in k}
+    assert counts == want, counts
 
 
 def _compiled_fallback():

@@ -18,9 +18,10 @@ unwrapped with a gradient layout that matches what DTensor dispatch would produc
 DTensor code sees the same layouts as before. Parameters stay DTensor ``nn.Parameter``s:
 the local weight is taken through a one-node autograd path whose backward wraps the
 local gradient as a DTensor laid out like the parameter (a ``Partial`` bias gradient is
-reduced by the parameter's hook), so optimizers, checkpoints and ``explain`` see what
-they saw. Every collective goes through ``shardprop.mesh.collectives`` (so
-``comm_counter()`` counts it). Under ``torch.compile`` the forward runs the DTensor path.
+reduced by the parameter's hook), so optimizers and checkpoints see what they saw. Every
+collective goes through ``shardprop.mesh.collectives`` (so ``comm_counter()`` counts it); the
+local matmuls are not DTensor ops, so ``explain()`` (which records dispatcher ops) does not
+list them. Under ``torch.compile`` the forward runs the DTensor path (traced with no graph break).
 
 Example:
     >>> parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})  # doctest: +SKIP
@@ -32,6 +33,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
@@ -247,8 +249,9 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
             hooked) -> bool:
     """Give a styled ``nn.Linear`` the fast forward if the layouts allow it; False to keep the DTensor path.
 
-    Partial input or output layouts keep the DTensor path (so does, at call time, a row-parallel
-    bias under a feature-sharded output: the bias would need its own layout there).
+    Partial input or output layouts keep the DTensor path, and so does a Linear subclass with a
+    forward of its own (so does, at call time, a row-parallel bias under a feature-sharded output:
+    the bias would need its own layout there).
 
     Example:
         >>> install(lin, "ColwiseParallel on 'wq'", True, mesh, Replicate(), Shard(-1), True, hooked)  # doctest: +SKIP
@@ -256,6 +259,8 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
     """
     if type(in_layout) is Partial or type(out_layout) is Partial:
         return False
+    if type(module).forward is not nn.Linear.forward or "forward" in vars(module):
+        return False  # a subclass with its own forward (LoRA, quantized, ...) computes something else
     fused = FusedLinear(what, colwise, mesh, in_layout, out_layout, use_local_output, hooked)
     module.forward = functools.partial(fused.forward, module)
     return True
