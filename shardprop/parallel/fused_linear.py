@@ -164,8 +164,9 @@ class FusedLinear:
             p = self._norm[key] = normalize_placements((layout,), ndim, 1, "parallel style")
         return p
 
-    def forward(self, module, x):
+    def forward(self, module, input):  # noqa: A002 (nn.Linear.forward's name: module(input=x) works)
         """The Linear's forward under the style: local matmul plus explicit collectives."""
+        x = input
         if _is_compiling() or not isinstance(x, torch.Tensor):
             return self.hooked(module, x)
         mesh, ndim = self.mesh, x.ndim
