@@ -70,7 +70,8 @@ def _compare(where, model, ref, x_in, x_full, local_of, grad_of_x, opt=None, ste
     if opt is not None:
         opts = (opt(model.parameters()), opt(ref.parameters()))
     for step in range(steps):
-        xr = x_full.detach().clone().requires_grad_()
+        xr = x_full.detach().clone()
+        xr.requires_grad_(xr.is_floating_point())
         out, out_ref = model(x_in), ref(xr)
         want = local_of(out_ref)
         got = _full(out) if isinstance(out, DTensor) else out
@@ -97,7 +98,7 @@ def _compare(where, model, ref, x_in, x_full, local_of, grad_of_x, opt=None, ste
             o.zero_grad(set_to_none=True)
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             torch.testing.assert_close(p.full_tensor(), q, **TOL, msg=lambda m: f"{where} step {step}: {name}: {m}")
-        if x_in.grad is not None:
+        if x_in.is_floating_point() and x_in.grad is not None:
             x_in.grad = None
 
 
@@ -226,6 +227,21 @@ def _cases(dp_mesh_shape):
     counts["qkv"] = (_counts(fwd), _counts(bwd))
     with torch.no_grad():  # no autograd: no shared input kept, same values
         torch.testing.assert_close(model(x), ref(x), **TOL)
+
+    # Embeddings: vocabulary-sharded (uneven: 5 * n + 1 rows) into Shard(1) or Replicate, and
+    # dim-sharded (default Shard(-1) out, and Replicate).
+    for style, local_of in ((RowwiseParallel(input_layouts=R, output_layouts=Shard(1)), seq),
+                            (RowwiseParallel(), same),
+                            (ColwiseParallel(), lambda t: local_chunk(t, tp, [Shard(2)])),
+                            (ColwiseParallel(output_layouts=R, use_local_output=False), same)):
+        torch.manual_seed(8)
+        ref = nn.Embedding(5 * n + 1 if isinstance(style, RowwiseParallel) else 11, 4 * n)
+        model = parallelize_module(copy.deepcopy(ref), tp, style)
+        ids = torch.randint(0, ref.num_embeddings, (2, 2 * n))
+        _compare(f"embedding {style}", model, ref, ids, ids, local_of, None, optims["adamw"], steps=2)
+        before = _dispatches()
+        model(ids)
+        assert _dispatches() == before, f"embedding {style}: the DTensor path ran"
 
     # Layouts the fast path leaves to the DTensor path: a subclass's own forward; a row-parallel bias
     # under a feature-sharded output.

@@ -12,6 +12,10 @@ Colwise   R: identity fwd, all-reduce bwd         S(-1): nothing; other: gather 
 Rowwise   S(-1): nothing                          R: all-reduce fwd (in place), identity bwd
           other: redistributed, inverse bwd       S(d): reduce-scatter fwd, all-gather bwd
 
+A plain ``nn.Embedding`` (no padding_idx, max_norm, scale_grad_by_freq or sparse) fed plain
+replicated token ids takes the same route: a local lookup (masked to this rank's rows when the
+vocabulary is sharded, giving a partial sum) and the same output conversions.
+
 DTensor inputs are redistributed to the layout the style needs (differentiable) and
 unwrapped with a gradient layout that matches what DTensor dispatch would produce
 (``Partial`` for a replicated input of a column-parallel matmul), so the surrounding
@@ -37,6 +41,7 @@ from torch import nn
 
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
+from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
 from shardprop.tensor.redistribute import redistribute_local
 
@@ -140,11 +145,11 @@ def _grad_placements(placements) -> tuple:
 
 # ---------------------------------------------------------------- the forward
 class FusedLinear:
-    """What a styled Linear's forward needs: mesh, layouts, and whether it is column- or row-parallel.
+    """What a styled Linear's (or Embedding's) forward needs: mesh, layouts, column- or row-parallel.
 
-    ``forward(module, x)`` is installed as the module's ``forward`` (via ``functools.partial``,
-    so ``copy.deepcopy`` of the model rebinds it to the copy). ``hooked(module, x)`` is the
-    DTensor path (used while torch.compile traces).
+    ``forward(module, x)`` (``forward_embedding`` for an Embedding) is installed as the module's
+    ``forward`` via ``functools.partial``, so ``copy.deepcopy`` of the model rebinds it to the copy.
+    ``hooked(module, x)`` is the DTensor path (used while torch.compile traces).
     """
 
     def __init__(self, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool, hooked):
@@ -152,6 +157,7 @@ class FusedLinear:
         self.in_layout, self.out_layout, self.use_local = in_layout, out_layout, use_local_output
         self.hooked = hooked
         self._norm = {}
+        self._rows_of = {}
 
     def __deepcopy__(self, memo):
         return self  # immutable after construction; the mesh is shared, as DTensors share it
@@ -169,7 +175,7 @@ class FusedLinear:
         x = input
         if _is_compiling() or not isinstance(x, torch.Tensor):
             return self.hooked(module, x)
-        mesh, ndim = self.mesh, x.ndim
+        ndim = x.ndim
         last = self.placements(Shard(-1), ndim)
         out = self.placements(self.out_layout, ndim)
         b = module.bias
@@ -180,20 +186,52 @@ class FusedLinear:
         w = _LocalOf.apply(w, w._spec)
         if self.colwise:
             y = F.linear(xl, w, None if b is None else _LocalOf.apply(b, b._spec))
-            have = last
-        else:
-            y = F.linear(xl, w)
-            have = _P
+            return self._output(y, last, out, None)
+        return self._output(F.linear(xl, w), _P, out, b)
+
+    def forward_embedding(self, module, input):  # noqa: A002 (nn.Embedding.forward's name)
+        """The Embedding's forward under the style: a local (masked, for a vocabulary shard) lookup.
+
+        Token ids are plain replicated tensors here (the default input layout); DTensor ids take
+        the DTensor path.
+        """
+        x = input
+        if _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return self.hooked(module, x)
+        w = module.weight
+        wl = _LocalOf.apply(w, w._spec)
+        ndim = x.ndim + 1
+        out = self.placements(self.out_layout, ndim)
+        if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
+            return self._output(F.embedding(x, wl), self.placements(Shard(-1), ndim), out, None)
+        lo, rows = self._rows(w)  # the vocabulary is sharded: look up the ids this rank holds, zeros elsewhere
+        outside = (x < lo) | (x >= lo + rows)
+        y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self._output(y, _P, out, None)
+
+    def _rows(self, w) -> tuple:
+        """(first row, number of rows) of this rank's vocabulary shard of ``w`` (cached per spec)."""
+        spec = w._spec
+        got = self._rows_of.get(spec)
+        if got is None:
+            mesh = self.mesh
+            shape, offset = local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)
+            got = self._rows_of[spec] = (offset[0], shape[0])
+        return got
+
+    def _output(self, y, have: tuple, out: tuple, b):
+        """The local result ``y`` (laid out as ``have``) in the declared output layout, plus a replicated bias."""
+        mesh = self.mesh
         # The global shape: a column-parallel output's feature dim is split evenly (checked when the
-        # style was applied); a row-parallel partial sum has the global shape already.
+        # style was applied); a partial sum has the global shape already.
         spec = None if out == have and self.use_local else \
-            _spec_of_local(y, mesh, have) if self.colwise else make_spec(mesh, have, y.shape, None, y.dtype)
+            make_spec(mesh, have, y.shape, None, y.dtype) if have is _P else _spec_of_local(y, mesh, have)
         if out != have:
             if have is _P and out == _R and y.is_contiguous():
                 y = _ReduceOut.apply(y, mesh)
             else:
                 y = _Relayout.apply(y, spec, out, _grad_placements(out), _grad_placements(have))
-        if b is not None and not self.colwise:  # added once, after the reduction (bias is replicated)
+        if b is not None:  # added once, after the reduction (bias is replicated)
             grad_spec = b._spec if out == _R else b._spec.with_placements(_P)  # a sequence piece's sum is partial
             y = y + _LocalOf.apply(b, grad_spec)
         if self.use_local:
@@ -260,11 +298,18 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
     """
     if type(in_layout) is Partial or type(out_layout) is Partial:
         return False
-    if type(module).forward is not nn.Linear.forward or "forward" in vars(module):
-        return False  # a subclass with its own forward (LoRA, quantized, ...) computes something else
+    if "forward" in vars(module):
+        return False
     fused = FusedLinear(what, colwise, mesh, in_layout, out_layout, use_local_output, hooked)
-    module.forward = functools.partial(fused.forward, module)
-    return True
+    if type(module).forward is nn.Linear.forward:
+        module.forward = functools.partial(fused.forward, module)
+        return True
+    plain_lookup = (module.padding_idx is None and module.max_norm is None and not module.scale_grad_by_freq
+                    and not module.sparse) if isinstance(module, nn.Embedding) else False
+    if type(module).forward is nn.Embedding.forward and plain_lookup and type(in_layout) is Replicate:
+        module.forward = functools.partial(fused.forward_embedding, module)
+        return True
+    return False  # a subclass with its own forward (LoRA, quantized, ...) computes something else
 
 
 __all__ = ["FusedLinear", "install"]

@@ -175,16 +175,14 @@ class _LinearStyle(ParallelStyle):
         def post(mod, inputs, output):
             return _maybe_local(to_dtensor(output, mesh, out_layout, out_layout), use_local)
 
-        if kind == "linear":
-            # Eager: local matmul plus explicit collectives (fused_linear); this DTensor path is kept
-            # for torch.compile and for layouts the fast path does not cover.
-            def hooked(mod, x):
-                return post(mod, None, type(mod).forward(mod, pre(mod, (x,))[0]))
+        # Eager: local matmul / lookup plus explicit collectives (fused_linear); this DTensor path is
+        # kept for torch.compile and for layouts the fast path does not cover.
+        def hooked(mod, x):
+            return post(mod, None, type(mod).forward(mod, pre(mod, (x,))[0]))
 
-            what = f"{style} on {name!r}"
-            if install(module, what, isinstance(self, ColwiseParallel), mesh, in_layout, out_layout, use_local,
-                       hooked):
-                return module
+        if install(module, f"{style} on {name!r}", isinstance(self, ColwiseParallel), mesh, in_layout, out_layout,
+                   use_local, hooked):
+            return module
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
