@@ -101,9 +101,10 @@ class _ReduceOut(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, mesh):
-        C.all_reduce(y, mesh, _MESH_DIM, inplace=True)
-        ctx.mark_dirty(y)
-        return y
+        out = C.all_reduce(y, mesh, _MESH_DIM, inplace=True)
+        if out is y:  # in place (eager c10d); a traced (functional) all-reduce returns a new tensor
+            ctx.mark_dirty(y)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
