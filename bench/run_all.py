@@ -23,11 +23,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# name -> script; each takes --json PATH (see its docstring for its other options).
+# name -> script and its options; each takes --json PATH (see its docstring for its other options).
 BENCHMARKS = {
     "redistribute": "redistribute.py",
     "dispatch": "dispatch.py",
     "tp": "tp.py",
+    "tp_floor": "tp.py --floor",
     "dispatch_census": "dispatch_census.py",
     "checkpoint": "checkpoint.py",
     "fsdp": "fsdp.py",
@@ -57,7 +58,8 @@ def run_one(name: str, script: str) -> dict:
         out = os.path.join(d, "out.json")
         print(f"\n{'=' * 30} {name} ({script}) {'=' * 30}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.call([sys.executable, os.path.join(HERE, script), "--json", out])
+        script, *opts = script.split()
+        rc = subprocess.call([sys.executable, os.path.join(HERE, script), *opts, "--json", out])
         took = time.perf_counter() - t0
         if rc != 0 or not os.path.exists(out):
             print(f"{name}: FAILED (exit status {rc})", flush=True)

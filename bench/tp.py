@@ -27,6 +27,23 @@ Usage::
 
     python bench/tp.py [--reps 10] [--warmup 3] [--dim 64] [--layers 2] [--batch 8] [--json out.json]
     python bench/tp.py --compile [...]   # torch.compile contenders vs an eager Megatron floor (tp_compile.py)
+    python bench/tp.py --floor [...]     # eager contenders vs the hand-written Megatron floor (below)
+
+``--floor`` (issue 13) times, on a 1-d tp=4 mesh, interleaved, one step = forward + backward +
+optimizer step:
+
+* ``floor``: the hand-written Megatron TP on plain local tensors (``bench/tp_floor.py``);
+* ``ours titan`` / ``ref titan``: ``tp_plan`` (torchtitan style, sequence parallel) under
+  shardprop / torch.distributed.tensor;
+* ``ours per-linear``: ColwiseParallel on wq/wk/wv/w1/w3/output (``output_layouts=Replicate()``
+  for the logits), RowwiseParallel on wo/w2, nothing else (no sequence parallelism, no
+  PrepareModuleInput; embedding and norms stay plain replicated tensors);
+
+for SGD and AdamW (``foreach`` left at torch's default: off for CPU tensors) and two sizes:
+``demo`` (the options below) and ``issue`` (Llama blocks where compute weighs more: dim 256,
+8 heads, 2 layers, seq 128, batch 8, vocab 1024). Each contender's median is shown over the
+floor's median of the same run; first-step losses must match the floor's.
+Targets: ours titan <= 1.10x floor, ours per-linear <= 1.25x floor.
 """
 from __future__ import annotations
 
@@ -252,6 +269,10 @@ def report(results, args) -> list:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--floor" in argv:  # eager contenders vs the hand-written Megatron floor
+        from tp_vs_floor import main as floor_main
+        floor_main([a for a in argv if a != "--floor"])
+        return
     if "--compile" in argv:  # compiled contenders vs the eager Megatron floor: bench/tp_compile.py
         from tp_compile import main as compiled_main
         compiled_main([a for a in argv if a != "--compile"])

@@ -1,4 +1,4 @@
-"""Ops that return Python values (not tensors): the answer must be the global one on every rank."""
+"""Ops that return Python values (not tensors): the answer must be the global one on every rank; and detach."""
 from __future__ import annotations
 
 import torch
@@ -42,3 +42,19 @@ register_special(aten._local_scalar_dense.default, _item)
 register_special(aten.is_pinned.default, _is_pinned)
 register_special(aten.equal.default, _equal)
 register_special(aten.is_same_size.default, _same_size)
+
+
+# ---------------------------------------------------------------- detach: the hottest copy-free op
+# Autograd detaches every DTensor gradient it stores in ``.grad`` (AccumulateGrad), once per
+# parameter per step. The result is the same shard under the same spec, so the rule path
+# (flatten, schema, cached propagation) is skipped; explain() recording and inference mode
+# (whose view wrappers need care) still take it.
+def _detach(op, args, kwargs):
+    from shardprop.dispatch import dispatcher
+    if kwargs or dispatcher.recorder is not None or torch.is_inference_mode_enabled():
+        return dispatcher.run(op, args, kwargs)
+    a = args[0]
+    return dispatcher.wrap(a._local_tensor.detach(), a._spec)
+
+
+register_special(aten.detach.default, _detach)

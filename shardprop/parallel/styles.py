@@ -23,11 +23,13 @@ Example (a Megatron-style MLP: one all-reduce forward, one backward)::
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import nn
 
+from shardprop.parallel.fused_linear import install
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
 
@@ -39,6 +41,13 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _placements_of(layout: Placement, ndim: int) -> tuple:
+    if _is_compiling():  # dynamo need not trace a cache
+        return normalize_placements((layout,), ndim, 1, "parallel style")
+    return _normalized(layout, ndim)
+
+
+@functools.lru_cache(maxsize=256)
+def _normalized(layout: Placement, ndim: int) -> tuple:
     return normalize_placements((layout,), ndim, 1, "parallel style")
 
 
@@ -166,6 +175,14 @@ class _LinearStyle(ParallelStyle):
         def post(mod, inputs, output):
             return _maybe_local(to_dtensor(output, mesh, out_layout, out_layout), use_local)
 
+        # Eager: local matmul / lookup plus explicit collectives (fused_linear); this DTensor path is
+        # kept for torch.compile and for layouts the fast path does not cover.
+        def hooked(mod, x):
+            return post(mod, None, type(mod).forward(mod, pre(mod, (x,))[0]))
+
+        if install(module, f"{style} on {name!r}", isinstance(self, ColwiseParallel), mesh, in_layout, out_layout,
+                   use_local, hooked):
+            return module
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module

@@ -1,0 +1,316 @@
+"""The eager fast path of ColwiseParallel / RowwiseParallel on ``nn.Linear``: local compute, explicit collectives.
+
+Instead of running ``F.linear`` on DTensors (``t``, ``mm``/``addmm`` and their backward
+each going through the dispatcher), a styled Linear's forward takes the input's local
+piece, runs ``F.linear`` on the local weight and bias, and moves data with a few small
+autograd functions over mesh collectives, as hand-written Megatron TP does:
+
+style     input (plain, default R / S(-1))       output (default S(-1) / R)
+--------  -------------------------------------  -----------------------------------------------
+Colwise   R: identity fwd, all-reduce bwd         S(-1): nothing; other: gather fwd, chunk bwd
+          S(d): all-gather fwd, reduce-scatter    (e.g. R for full logits)
+Rowwise   S(-1): nothing                          R: all-reduce fwd (in place), identity bwd
+          other: redistributed, inverse bwd       S(d): reduce-scatter fwd, all-gather bwd
+
+A plain ``nn.Embedding`` (no padding_idx, max_norm, scale_grad_by_freq or sparse) fed plain
+replicated token ids takes the same route: a local lookup (masked to this rank's rows when the
+vocabulary is sharded, giving a partial sum) and the same output conversions.
+
+DTensor inputs are redistributed to the layout the style needs (differentiable) and
+unwrapped with a gradient layout that matches what DTensor dispatch would produce
+(``Partial`` for a replicated input of a column-parallel matmul), so the surrounding
+DTensor code sees the same layouts as before. Parameters stay DTensor ``nn.Parameter``s:
+the local weight is taken through a one-node autograd path whose backward wraps the
+local gradient as a DTensor laid out like the parameter (a ``Partial`` bias gradient is
+reduced by the parameter's hook), so optimizers and checkpoints see what they saw. Every
+collective goes through ``shardprop.mesh.collectives`` (so ``comm_counter()`` counts it); the
+local matmuls are not DTensor ops, so ``explain()`` (which records dispatcher ops) does not
+list them. Under ``torch.compile`` the forward runs the DTensor path (traced with no graph break).
+
+Example:
+    >>> parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})  # doctest: +SKIP
+    >>> mlp(x)  # up: local matmul; down: local matmul + one all-reduce; backward: one all-reduce
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardprop.mesh import collectives as C
+from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.redistribute import redistribute_local
+
+_is_compiling = torch.compiler.is_compiling
+_R = (Replicate(),)
+_P = (Partial(),)
+_MESH_DIM = (0,)  # styles run on 1-d meshes
+
+
+# ---------------------------------------------------------------- autograd pieces
+class _LocalOf(torch.autograd.Function):
+    """A DTensor's local tensor; backward wraps the local gradient as a DTensor with ``grad_spec``."""
+
+    @staticmethod
+    def forward(ctx, dt, grad_spec):
+        ctx.grad_spec = grad_spec
+        local = dt._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _forget_input()
+        spec = ctx.grad_spec
+        # The spec's strides must describe the gradient's memory order, not the forward's.
+        if grad.is_contiguous():
+            spec = _contiguous_twin(spec)
+        else:
+            stride = stride_like(grad, spec.shape)
+            if stride != spec.tensor_meta.stride:
+                spec = make_spec(spec.mesh, spec.placements, spec.shape, stride, spec.dtype)
+        return DTensor(grad, spec), None
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_twin(spec):
+    """``spec`` with contiguous strides (itself when they are): specs are interned, so this caches by identity."""
+    twin = make_spec(spec.mesh, spec.placements, spec.shape, None, spec.dtype)
+    return spec if twin.tensor_meta.stride == spec.tensor_meta.stride else twin
+
+
+class _CopyIn(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward (a replicated input of a column-parallel matmul)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _forget_input()
+        return C.all_reduce(grad, ctx.mesh, _MESH_DIM), None  # a fresh tensor: autograd may hold grad
+
+
+class _ReduceOut(torch.autograd.Function):
+    """All-reduce forward, in place (the matmul output is a temporary); identity backward."""
+
+    @staticmethod
+    def forward(ctx, y, mesh):
+        out = C.all_reduce(y, mesh, _MESH_DIM, inplace=True)
+        if out is y:  # in place (eager c10d); a traced (functional) all-reduce returns a new tensor
+            ctx.mark_dirty(y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Relayout(torch.autograd.Function):
+    """Local piece of ``spec`` -> local piece of ``dst``; backward: a gradient piece in ``grad_src`` -> ``grad_dst``.
+
+    E.g. a sequence-sharded input gathered for a column-parallel matmul (``S(1) -> R``,
+    gradient ``P -> S(1)``: a reduce-scatter), or a row-parallel output scattered onto the
+    sequence (``P -> S(1)``, gradient ``S(1) -> R``: an all-gather).
+    """
+
+    @staticmethod
+    def forward(ctx, x, spec, dst, grad_src, grad_dst):
+        ctx.grad_spec, ctx.grad_dst = spec.with_placements(grad_src), grad_dst
+        out = redistribute_local(x, spec, dst)
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        _forget_input()
+        return redistribute_local(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
+
+
+def _spec_of_local(local: torch.Tensor, mesh, placements):
+    """The spec of a plain tensor taken as this rank's piece of ``placements`` (even shards, like from_local)."""
+    shape = list(local.shape)
+    p = placements[0]
+    if type(p) is Shard:
+        shape[p.dim] *= mesh.size()
+    return make_spec(mesh, placements, shape, None, local.dtype)
+
+
+def _grad_placements(placements) -> tuple:
+    return _R if type(placements[0]) is Partial else placements
+
+
+# ---------------------------------------------------------------- the forward
+class FusedLinear:
+    """What a styled Linear's (or Embedding's) forward needs: mesh, layouts, column- or row-parallel.
+
+    ``forward(module, x)`` (``forward_embedding`` for an Embedding) is installed as the module's
+    ``forward`` via ``functools.partial``, so ``copy.deepcopy`` of the model rebinds it to the copy.
+    ``hooked(module, x)`` is the DTensor path (used while torch.compile traces).
+    """
+
+    def __init__(self, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool, hooked):
+        self.what, self.colwise, self.mesh = what, colwise, mesh
+        self.in_layout, self.out_layout, self.use_local = in_layout, out_layout, use_local_output
+        self.hooked = hooked
+        self._norm = {}
+        self._rows_of = {}
+
+    def __deepcopy__(self, memo):
+        return self  # immutable after construction; the mesh is shared, as DTensors share it
+
+    def placements(self, layout, ndim: int) -> tuple:
+        """``layout`` as a normalized 1-tuple for a tensor of ``ndim`` dims (Shard(-1) -> Shard(ndim-1)), cached."""
+        key = (layout, ndim)
+        p = self._norm.get(key)
+        if p is None:
+            p = self._norm[key] = normalize_placements((layout,), ndim, 1, "parallel style")
+        return p
+
+    def forward(self, module, input):  # noqa: A002 (nn.Linear.forward's name: module(input=x) works)
+        """The Linear's forward under the style: local matmul plus explicit collectives."""
+        x = input
+        if _is_compiling() or not isinstance(x, torch.Tensor):
+            return self.hooked(module, x)
+        ndim = x.ndim
+        last = self.placements(Shard(-1), ndim)
+        out = self.placements(self.out_layout, ndim)
+        b = module.bias
+        if b is not None and not self.colwise and out == last:
+            return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
+        xl = self._local_input(x, _R if self.colwise else last)
+        w = module.weight
+        w = _LocalOf.apply(w, w._spec)
+        if self.colwise:
+            y = F.linear(xl, w, None if b is None else _LocalOf.apply(b, b._spec))
+            return self._output(y, last, out, None)
+        return self._output(F.linear(xl, w), _P, out, b)
+
+    def forward_embedding(self, module, input):  # noqa: A002 (nn.Embedding.forward's name)
+        """The Embedding's forward under the style: a local (masked, for a vocabulary shard) lookup.
+
+        Token ids are plain replicated tensors here (the default input layout); DTensor ids take
+        the DTensor path.
+        """
+        x = input
+        if _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return self.hooked(module, x)
+        w = module.weight
+        wl = _LocalOf.apply(w, w._spec)
+        ndim = x.ndim + 1
+        out = self.placements(self.out_layout, ndim)
+        if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
+            return self._output(F.embedding(x, wl), self.placements(Shard(-1), ndim), out, None)
+        lo, rows = self._rows(w)  # the vocabulary is sharded: look up the ids this rank holds, zeros elsewhere
+        outside = (x < lo) | (x >= lo + rows)
+        y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self._output(y, _P, out, None)
+
+    def _rows(self, w) -> tuple:
+        """(first row, number of rows) of this rank's vocabulary shard of ``w`` (cached per spec)."""
+        spec = w._spec
+        got = self._rows_of.get(spec)
+        if got is None:
+            mesh = self.mesh
+            shape, offset = local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)
+            got = self._rows_of[spec] = (offset[0], shape[0])
+        return got
+
+    def _output(self, y, have: tuple, out: tuple, b):
+        """The local result ``y`` (laid out as ``have``) in the declared output layout, plus a replicated bias."""
+        mesh = self.mesh
+        # The global shape: a column-parallel output's feature dim is split evenly (checked when the
+        # style was applied); a partial sum has the global shape already.
+        spec = None if out == have and self.use_local else \
+            make_spec(mesh, have, y.shape, None, y.dtype) if have is _P else _spec_of_local(y, mesh, have)
+        if out != have:
+            if have is _P and out == _R and y.is_contiguous():
+                y = _ReduceOut.apply(y, mesh)
+            else:
+                y = _Relayout.apply(y, spec, out, _grad_placements(out), _grad_placements(have))
+        if b is not None:  # added once, after the reduction (bias is replicated)
+            grad_spec = b._spec if out == _R else b._spec.with_placements(_P)  # a sequence piece's sum is partial
+            y = y + _LocalOf.apply(b, grad_spec)
+        if self.use_local:
+            return y
+        return DTensor.from_local(y, mesh, out, shape=spec.shape)
+
+    def _local_input(self, x, want: tuple):
+        if want is not _R:
+            return self._convert_input(x, want)
+        # Several column-parallel layers fed the same tensor (q, k, v; w1, w3) share one local input,
+        # so autograd sums their input gradients before the one collective that reduces them.
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return self._convert_input(x, want)
+        global _last_input
+        last = _last_input
+        if last is not None and last[0] is x and last[1] == x._version and last[2] is self.mesh \
+                and last[3] == self.in_layout:
+            return last[4]
+        out = self._convert_input(x, want)
+        _last_input = (x, x._version, self.mesh, self.in_layout, out)
+        return out
+
+    def _convert_input(self, x, want: tuple):
+        mesh = self.mesh
+        if isinstance(x, DTensor):
+            if x._spec.mesh != mesh:
+                raise ValueError(f"{self.what}: the input DTensor lives on {x._spec.mesh}, the layer's weight on "
+                                 f"{mesh}; redistribute it onto the layer's mesh first")
+            if x._spec.placements != want:
+                x = x.redistribute(placements=want)
+            # The gradient of a replicated input of a column-parallel matmul is a partial sum: leave its
+            # reduction to whoever made the input (one reduce-scatter for q, k and v together, say).
+            spec = x._spec
+            return _LocalOf.apply(x, spec.with_placements(_P) if want is _R else spec)
+        have = self.placements(self.in_layout, x.ndim)
+        if have == want:
+            return _CopyIn.apply(x, mesh) if want is _R else x
+        grad_want = _P if want is _R else want
+        return _Relayout.apply(x, _spec_of_local(x, mesh, have), want, grad_want, _grad_placements(have))
+
+
+# The last replicated local input made with autograd recording: (input, its version, mesh, declared
+# input layout, local input). Cleared by the first backward through any node below, so it keeps an
+# activation alive only from one forward to its backward (or to the next forward).
+_last_input = None
+
+
+def _forget_input() -> None:
+    global _last_input
+    _last_input = None
+
+
+def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool,
+            hooked) -> bool:
+    """Give a styled ``nn.Linear`` the fast forward if the layouts allow it; False to keep the DTensor path.
+
+    Partial input or output layouts keep the DTensor path, and so does a Linear subclass with a
+    forward of its own (so does, at call time, a row-parallel bias under a feature-sharded output:
+    the bias would need its own layout there).
+
+    Example:
+        >>> install(lin, "ColwiseParallel on 'wq'", True, mesh, Replicate(), Shard(-1), True, hooked)  # doctest: +SKIP
+        True
+    """
+    if type(in_layout) is Partial or type(out_layout) is Partial:
+        return False
+    if "forward" in vars(module):
+        return False
+    fused = FusedLinear(what, colwise, mesh, in_layout, out_layout, use_local_output, hooked)
+    if type(module).forward is nn.Linear.forward:
+        module.forward = functools.partial(fused.forward, module)
+        return True
+    plain_lookup = (module.padding_idx is None and module.max_norm is None and not module.scale_grad_by_freq
+                    and not module.sparse) if isinstance(module, nn.Embedding) else False
+    if type(module).forward is nn.Embedding.forward and plain_lookup and type(in_layout) is Replicate:
+        module.forward = functools.partial(fused.forward_embedding, module)
+        return True
+    return False  # a subclass with its own forward (LoRA, quantized, ...) computes something else
+
+
+__all__ = ["FusedLinear", "install"]
