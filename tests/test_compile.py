@@ -213,7 +213,8 @@ def _blocks_and_whole():
     torch._dynamo.reset()
     counters.clear()
     model, ref = _demo_model(cfg)
-    compiled = torch.compile(model, backend="aot_eager")
+    backend, graphs = _capture()
+    compiled = torch.compile(model, backend=backend)
     loss = lm_loss(compiled(tokens), targets)
     loss.backward()
     want = lm_loss(ref(tokens), targets)
@@ -224,7 +225,28 @@ def _blocks_and_whole():
         errors.append(f"graph breaks in the whole model: {dict(counters['graph_break'])}")
     if counters["stats"]["unique_graphs"] != 1:
         errors.append(f"{counters['stats']['unique_graphs']} graphs for the whole model, expected 1")
+    errors += _plan_collectives(graphs, cfg.n_layers)
     return errors
+
+
+def _plan_collectives(graphs, n_layers):
+    """The collectives tp_plan needs, counted from the plan: forward, per block two gathers (attention
+    and MLP inputs) and two reduce-scatters (their outputs), plus the embedding's reduce-scatter and the
+    output's input and logits gathers; backward, each gather's gradient reduce-scatters once (the
+    gradients of q, k, v or w1, w3 add up first, Partial, then one reduce-scatter) and each
+    reduce-scatter's gradient gathers; the logits gather's gradient is a local slice. No all-reduce."""
+    from collections import Counter
+
+    def count(gms):
+        c = Counter(str(n.target).split(".")[1] for gm in gms for n in gm.graph.nodes
+                    if n.op == "call_function" and "_c10d_functional" in str(n.target))
+        c.pop("wait_tensor", None)
+        return dict(c)
+    gathers, scatters = 2 * n_layers + 2, 2 * n_layers + 1
+    want = {"fw": {"all_gather_into_tensor": gathers, "reduce_scatter_tensor": scatters},
+            "bw": {"reduce_scatter_tensor": gathers - 1, "all_gather_into_tensor": scatters}}
+    return [f"whole model {kind} collectives {count(graphs[kind])}, expected {want[kind]}"
+            for kind in ("fw", "bw") if count(graphs[kind]) != want[kind]]
 
 
 def _dynamic_batch_mlp():
