@@ -369,6 +369,35 @@ def _dropout():
     return errors
 
 
+def _compiled_optimizer_step():
+    """AdamW (foreach=False) step compiled over DTensor parameters (dynamo writes addcmul_ / addcdiv_
+    as mul + prims.fma): the parameters after two steps equal plain eager AdamW's on one process."""
+    import shardprop as sp
+    torch._dynamo.reset()
+    mesh = sp.init_device_mesh("cpu", (2,))
+    errors = []
+    torch.manual_seed(0)
+    ref = _MLP()
+    model = _MLP()
+    model.load_state_dict(ref.state_dict())
+    sp.parallelize_module(model, mesh, {"up": sp.ColwiseParallel(), "down": sp.RowwiseParallel()})
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01, foreach=False) for m in (model, ref)]
+    step = torch.compile(opts[0].step, backend="aot_eager")  # (torch.optim breaks the graph on purpose)
+    for i in range(2):
+        x = torch.randn(4, 8)
+        for m, o in zip((model, ref), opts):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+        step()
+        opts[1].step()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if not isinstance(p, sp.DTensor):
+            errors.append(f"{name} is not a DTensor")
+        _close(errors, f"param {name} after two compiled steps", p, ref_params[name])
+    return errors
+
+
 def _dp_tp_whole_model():
     """2x2 dp x tp: the whole model compiled (aot_eager), gradients averaged over dp by the buckets."""
     import shardprop as sp
@@ -423,6 +452,10 @@ def test_no_rule_raises_sharding_error_while_tracing():
 
 def test_dropout_compiled_matches_one_process():
     _report(run_on_ranks(2, _dropout, timeout=120))
+
+
+def test_compiled_optimizer_step_on_dtensor_params():
+    _report(run_on_ranks(2, _compiled_optimizer_step, timeout=180))
 
 
 def test_dp_tp_whole_model_compiled():
