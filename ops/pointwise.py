@@ -9,6 +9,7 @@ import torch
 
 from shardprop.dispatch.op_schema import FLOAT, ScalarTensor
 from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.tensor.compile_support import when_dynamo_loads
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
 aten = torch.ops.aten
@@ -125,6 +126,17 @@ ELEMENTWISE_OVERLOADS = [aten.max.other, aten.min.other]
 def pointwise(ctx):
     name = _name(ctx.op)
     return pointwise_options(ctx, linear_all=name in LINEAR_ALL, linear_first=name in LINEAR_FIRST)
+
+
+def _register_fma(dynamo) -> None:
+    # prims.fma (a * b + c): dynamo writes addcmul_ / addcdiv_ with a value (AdamW's second moment)
+    # as mul + fma while tracing. It is an inductor prim, defined only once torch._inductor's prims
+    # are imported, so it is registered when dynamo loads.
+    from torch._inductor import inductor_prims  # noqa: F401  (defines torch.ops.prims.fma)
+    rule(torch.ops.prims.fma.default)(pointwise)
+
+
+when_dynamo_loads(_register_fma)
 
 
 def _conj_materialized(op, out, largs, lkwargs):

@@ -213,7 +213,8 @@ def _blocks_and_whole():
     torch._dynamo.reset()
     counters.clear()
     model, ref = _demo_model(cfg)
-    compiled = torch.compile(model, backend="aot_eager")
+    backend, graphs = _capture()
+    compiled = torch.compile(model, backend=backend)
     loss = lm_loss(compiled(tokens), targets)
     loss.backward()
     want = lm_loss(ref(tokens), targets)
@@ -224,7 +225,28 @@ def _blocks_and_whole():
         errors.append(f"graph breaks in the whole model: {dict(counters['graph_break'])}")
     if counters["stats"]["unique_graphs"] != 1:
         errors.append(f"{counters['stats']['unique_graphs']} graphs for the whole model, expected 1")
+    errors += _plan_collectives(graphs, cfg.n_layers)
     return errors
+
+
+def _plan_collectives(graphs, n_layers):
+    """The collectives tp_plan needs, counted from the plan: forward, per block two gathers (attention
+    and MLP inputs) and two reduce-scatters (their outputs), plus the embedding's reduce-scatter and the
+    output's input and logits gathers; backward, each gather's gradient reduce-scatters once (the
+    gradients of q, k, v or w1, w3 add up first, Partial, then one reduce-scatter) and each
+    reduce-scatter's gradient gathers; the logits gather's gradient is a local slice. No all-reduce."""
+    from collections import Counter
+
+    def count(gms):
+        c = Counter(str(n.target).split(".")[1] for gm in gms for n in gm.graph.nodes
+                    if n.op == "call_function" and "_c10d_functional" in str(n.target))
+        c.pop("wait_tensor", None)
+        return dict(c)
+    gathers, scatters = 2 * n_layers + 2, 2 * n_layers + 1
+    want = {"fw": {"all_gather_into_tensor": gathers, "reduce_scatter_tensor": scatters},
+            "bw": {"reduce_scatter_tensor": gathers - 1, "all_gather_into_tensor": scatters}}
+    return [f"whole model {kind} collectives {count(graphs[kind])}, expected {want[kind]}"
+            for kind in ("fw", "bw") if count(graphs[kind]) != want[kind]]
 
 
 def _dynamic_batch_mlp():
@@ -347,6 +369,35 @@ def _dropout():
     return errors
 
 
+def _compiled_optimizer_step():
+    """AdamW (foreach=False) step compiled over DTensor parameters (dynamo writes addcmul_ / addcdiv_
+    as mul + prims.fma): the parameters after two steps equal plain eager AdamW's on one process."""
+    import shardprop as sp
+    torch._dynamo.reset()
+    mesh = sp.init_device_mesh("cpu", (2,))
+    errors = []
+    torch.manual_seed(0)
+    ref = _MLP()
+    model = _MLP()
+    model.load_state_dict(ref.state_dict())
+    sp.parallelize_module(model, mesh, {"up": sp.ColwiseParallel(), "down": sp.RowwiseParallel()})
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01, foreach=False) for m in (model, ref)]
+    step = torch.compile(opts[0].step, backend="aot_eager")  # (torch.optim breaks the graph on purpose)
+    for i in range(2):
+        x = torch.randn(4, 8)
+        for m, o in zip((model, ref), opts):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+        step()
+        opts[1].step()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if not isinstance(p, sp.DTensor):
+            errors.append(f"{name} is not a DTensor")
+        _close(errors, f"param {name} after two compiled steps", p, ref_params[name])
+    return errors
+
+
 def _dp_tp_whole_model():
     """2x2 dp x tp: the whole model compiled (aot_eager), gradients averaged over dp by the buckets."""
     import shardprop as sp
@@ -401,6 +452,10 @@ def test_no_rule_raises_sharding_error_while_tracing():
 
 def test_dropout_compiled_matches_one_process():
     _report(run_on_ranks(2, _dropout, timeout=120))
+
+
+def test_compiled_optimizer_step_on_dtensor_params():
+    _report(run_on_ranks(2, _compiled_optimizer_step, timeout=180))
 
 
 def test_dp_tp_whole_model_compiled():

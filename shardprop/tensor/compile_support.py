@@ -36,6 +36,18 @@ def allow_in_graph(*fns) -> None:
     _when_dynamo_loads(register)
 
 
+def when_dynamo_loads(fn: Callable) -> None:
+    """Call ``fn(torch._dynamo)`` as soon as dynamo is imported (now, if it already is).
+
+    For registrations that need torch.compile's own modules, e.g. a sharding rule for an
+    inductor prim that only exists once inductor is imported.
+
+    Example:
+        >>> when_dynamo_loads(lambda dynamo: print("compile is here"))  # doctest: +SKIP
+    """
+    _when_dynamo_loads(fn)
+
+
 def _register_mesh(dynamo) -> None:
     from torch._library.opaque_object import is_opaque_type, register_opaque_type
 

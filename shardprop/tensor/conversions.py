@@ -172,10 +172,20 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, device_mesh, placements, async_op, owned=False):
         ctx.src = dt._spec
-        return _same_mesh(dt, device_mesh, placements, async_op, owned)
+        out = _same_mesh(dt, device_mesh, placements, async_op, owned)
+        # The same layout (styles call this unconditionally under torch.compile, where they cannot
+        # read placements): an identity, and its backward passes the gradient on untouched, as if
+        # the call were not there (eager skips it). A Partial gradient stays Partial, so the
+        # gradients of several consumers of one Replicate input add up locally and the layout
+        # change before them (e.g. Shard(1) -> Replicate) reduces once (a reduce-scatter), instead
+        # of one all-reduce per consumer.
+        ctx.identity = out._spec.placements == ctx.src.placements
+        return out
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.identity:
+            return grad, None, None, None, None
         src = ctx.src
         _check_partial_grad(src.placements, "redistribute backward")
         target = grad_placements_for(src.placements)
