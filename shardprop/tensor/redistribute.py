@@ -403,14 +403,16 @@ def _run_reduce_scatter(local, step: Step, cur, spec, owned, async_op):
     n = _parent_len(spec, cur, m, d)
     c = -(-n // k)
     _, ln = chunk_bounds(n, k, me)
-    buf = _pad_to(wait_all(local).movedim(d, 0), 0, k * c)
-    shape = list(buf.shape)
-    shape[0] = ln
+    x = _pad_to(wait_all(local), d, k * c)
+    pre, post = list(x.shape[:d]), list(x.shape[d + 1:])
+    # The k chunks of dim d stacked on dim 0 (one copy when d != 0): the collective's output is
+    # then this rank's chunk already laid out as the final shard, with no copy after it.
+    buf = x.reshape(pre + [k, c] + post).movedim(d, 0)
     final = list(local.shape)
     final[d] = ln
 
     def fix(out):
-        return out.narrow(0, 0, ln).movedim(0, d).contiguous()
+        return out.view(pre + [c] + post).narrow(d, 0, ln).contiguous()
     return C.reduce_scatter(buf, spec.mesh, (m,), step.src[0].reduce_op, async_op=async_op, finish=fix,
                             finish_shape=final)
 
