@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import buffer_pool
 from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
@@ -138,7 +139,9 @@ def _sole_owner(dt) -> bool:
     if sys.getrefcount(local) != 3:  # dt's attribute, this frame's name, getrefcount's argument
         return False
     storage = local.untyped_storage()
-    return _storage_use_count(storage._cdata) == 2  # ``local`` and ``storage`` (this frame's handle)
+    # ``local`` and ``storage`` (this frame's handle), plus the buffer pool's handle where it keeps
+    # this memory (it hands the memory out again only once the count drops back to its own).
+    return _storage_use_count(storage._cdata) == 2 + buffer_pool.holds(local)
 
 
 def _handed_over(dt) -> bool:

@@ -1,0 +1,169 @@
+"""Reuse of large CPU output buffers of redistribution (no caching allocator on CPU).
+
+glibc serves large allocations with a fresh ``mmap``, so every new multi-MB output of a
+collective pays one page fault per 4 KB page on first write: a 64 MB all-gather into a
+fresh buffer takes about 1.5x as long as into a warm one. CUDA has a caching allocator;
+CPU has none. This pool keeps the memory of outputs it handed out before and hands it out
+again, but only when provably nobody else holds it.
+
+How that is proved: the pool keeps one ``UntypedStorage`` handle per buffer and hands out a
+*new* tensor on that storage each time (``set_``; never the pool's own object). Every holder
+of that memory, a tensor, a view, ``.data``, ``detach()``, an autograd-saved tensor, an
+AsyncTensor or a c10d work still in flight, numpy, a storage handle, raises the storage's
+use count. A buffer is handed out again only when the count is exactly 1 (the pool's
+handle). Anything unusual (torch without the count, shared memory, a resized storage, a
+device other than CPU, tensors torch.compile traces) allocates normally.
+
+Bounded: only buffers of at least ``MIN_BYTES``; at most ``MAX_BUFFERS`` kept and
+``MAX_BYTES`` in all; the least recently used are forgotten first (forgetting a buffer in
+use is harmless: its holders keep it). Off with ``set_buffer_reuse(False)``.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+MIN_BYTES = 1 << 20          # below this glibc reuses freed memory by itself
+MAX_BUFFERS = 16
+MAX_BYTES = 1 << 30          # kept memory, in use or not
+
+# torch's count of the references to a storage (private; absent: never reuse).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_enabled = _use_count is not None
+_lock = threading.Lock()
+# storage address (StorageImpl*) -> (nbytes, UntypedStorage handle); most recently used last.
+_kept: "OrderedDict[int, tuple]" = OrderedDict()
+_kept_bytes = 0
+# Tally for tests and benches: buffers handed out again, and fresh ones kept.
+stats = {"reused": 0, "allocated": 0}
+
+
+def set_buffer_reuse(enabled: bool) -> None:
+    """Turn reuse of redistribution output buffers on or off (on by default, CPU only).
+
+    Off forgets every kept buffer (tensors handed out keep their memory).
+
+    Example:
+        >>> set_buffer_reuse(False); set_buffer_reuse(True)
+    """
+    global _enabled
+    with _lock:
+        _enabled = bool(enabled) and _use_count is not None
+        if not _enabled:
+            _forget_all()
+
+
+def buffer_reuse_enabled() -> bool:
+    """Whether output buffers are reused.
+
+    Example:
+        >>> isinstance(buffer_reuse_enabled(), bool)
+        True
+    """
+    return _enabled
+
+
+def clear() -> None:
+    """Forget every kept buffer (their holders keep them).
+
+    Example:
+        >>> clear()
+    """
+    with _lock:
+        _forget_all()
+
+
+def _forget_all() -> None:
+    global _kept_bytes
+    _kept.clear()
+    _kept_bytes = 0
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an eager CPU tensor whose outputs may come from the pool (not traced, not CUDA).
+
+    Callers keep their usual code (``clone``, ``reshape``) otherwise, so traced graphs do not change.
+
+    Example:
+        >>> plain(torch.ones(1)) == buffer_reuse_enabled()
+        True
+    """
+    return _enabled and type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of ``shape`` with ``like``'s dtype and device, its memory maybe reused.
+
+    Its values are undefined, as with ``torch.empty``. The memory is reused only when no
+    tensor, view, autograd record or pending collective holds it any more.
+
+    Example:
+        >>> empty((4, 4), torch.ones(1)).shape
+        torch.Size([4, 4])
+    """
+    shape = tuple(shape)
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * like.element_size()
+    if nbytes < MIN_BYTES or not plain(like):
+        return like.new_empty(shape)
+    storage = _take(nbytes)
+    out = torch.empty(0, dtype=like.dtype, device=like.device)
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return out.set_(storage, 0, shape, tuple(reversed(strides)))
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """:func:`empty` of ``t``'s shape (contiguous), dtype and device.
+
+    Example:
+        >>> empty_like(torch.ones(3)).shape
+        torch.Size([3])
+    """
+    return empty(t.shape, t)
+
+
+def _take(nbytes: int) -> torch.UntypedStorage:
+    """A storage of ``nbytes`` nobody holds, kept by the pool (a fresh one if none is free)."""
+    global _kept_bytes
+    with _lock:
+        for key, (size, storage) in _kept.items():
+            if size != nbytes:
+                continue
+            # 2: the pool's handle and this loop's ``storage`` name. A resized or shared
+            # storage is not what was kept: forget it.
+            if _use_count(storage._cdata) == 2:
+                if storage.nbytes() != size or storage.is_shared():
+                    del _kept[key]
+                    _kept_bytes -= size
+                    break
+                _kept.move_to_end(key)
+                stats["reused"] += 1
+                return storage
+        storage = torch.UntypedStorage(nbytes)
+        stats["allocated"] += 1
+        _kept[storage._cdata] = (nbytes, storage)
+        _kept_bytes += nbytes
+        while len(_kept) > MAX_BUFFERS or _kept_bytes > MAX_BYTES:
+            _, (size, _) = _kept.popitem(last=False)
+            _kept_bytes -= size
+        return storage
+
+
+def holds(t: torch.Tensor) -> int:
+    """1 if the pool keeps ``t``'s memory (one extra reference to its storage), else 0.
+
+    Example:
+        >>> holds(torch.ones(2))
+        0
+    """
+    if not _kept:
+        return 0
+    return 1 if t.untyped_storage()._cdata in _kept else 0
