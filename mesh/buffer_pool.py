@@ -7,11 +7,11 @@ CPU has none. This pool keeps the memory of outputs it handed out before and han
 again, but only when provably nobody else holds it.
 
 How that is proved: the pool keeps one ``UntypedStorage`` handle per buffer and hands out a
-*new* tensor on that storage each time (``set_``; never the pool's own object). Every holder
-of that memory, a tensor, a view, ``.data``, ``detach()``, an autograd-saved tensor, an
-AsyncTensor or a c10d work still in flight, numpy, a storage handle, raises the storage's
-use count. A buffer is handed out again only when the count is exactly 1 (the pool's
-handle). Anything unusual (torch without the count, shared memory, a resized storage, a
+*new* tensor on that storage each time (``set_``; never a tensor object it keeps). Every
+holder of that memory, a tensor, a view, ``.data``, ``detach()``, an autograd-saved tensor,
+an AsyncTensor or a c10d work still in flight, numpy, raises the storage's use count; a
+holder of ``t.untyped_storage()`` (torch returns the pool's own handle object) raises that
+object's Python refcount. A buffer is handed out again only when both show the pool alone. Anything unusual (torch without the count, shared memory, a resized storage, a
 device other than CPU, tensors torch.compile traces) allocates normally.
 
 Bounded: only buffers of at least ``MIN_BYTES``; at most ``MAX_BUFFERS`` kept and
@@ -20,6 +20,7 @@ use is harmless: its holders keep it). Off with ``set_buffer_reuse(False)``.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from typing import Sequence
@@ -130,6 +131,28 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return empty(t.shape, t)
 
 
+def _python_refs_in_loop(kept) -> int:
+    """``sys.getrefcount`` of a kept handle nobody else references, seen from a loop like ``_take``'s."""
+    for _, (_, handle) in kept.items():
+        return sys.getrefcount(handle)
+    return -1
+
+
+# The Python references the pool itself holds to a handle while ``_take`` looks at it (the
+# dict's tuple, the loop's name, getrefcount's argument: 3 on CPython 3.11), measured once.
+_OWN_REFS = _python_refs_in_loop(OrderedDict([(0, (0, object()))]))
+
+
+def _free(storage: torch.UntypedStorage) -> bool:
+    """Whether nothing but the pool holds ``storage`` (called inside ``_take``'s loop, under the lock).
+
+    torch keeps one Python object per storage: ``t.untyped_storage()`` returns the pool's own
+    handle, so a user holding it shows in its Python refcount, and every tensor, view, saved
+    tensor or pending work on it shows in the storage's use count (1: the handle alone).
+    """
+    return _use_count(storage._cdata) == 1 and sys.getrefcount(storage) == _OWN_REFS + 1
+
+
 def _take(nbytes: int) -> torch.UntypedStorage:
     """A storage of ``nbytes`` nobody holds, kept by the pool (a fresh one if none is free)."""
     global _kept_bytes
@@ -137,9 +160,8 @@ def _take(nbytes: int) -> torch.UntypedStorage:
         for key, (size, storage) in _kept.items():
             if size != nbytes:
                 continue
-            # 2: the pool's handle and this loop's ``storage`` name. A resized or shared
-            # storage is not what was kept: forget it.
-            if _use_count(storage._cdata) == 2:
+            if _free(storage):
+                # A resized or shared storage is not what was kept: forget it.
                 if storage.nbytes() != size or storage.is_shared():
                     del _kept[key]
                     _kept_bytes -= size

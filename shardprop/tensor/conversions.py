@@ -13,7 +13,6 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool
 from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
@@ -139,9 +138,9 @@ def _sole_owner(dt) -> bool:
     if sys.getrefcount(local) != 3:  # dt's attribute, this frame's name, getrefcount's argument
         return False
     storage = local.untyped_storage()
-    # ``local`` and ``storage`` (this frame's handle), plus the buffer pool's handle where it keeps
-    # this memory (it hands the memory out again only once the count drops back to its own).
-    return _storage_use_count(storage._cdata) == 2 + buffer_pool.holds(local)
+    # ``local`` and ``storage`` (this frame's handle; torch keeps one Python object per storage,
+    # so where the buffer pool keeps this memory ``storage`` is the pool's handle, counted once).
+    return _storage_use_count(storage._cdata) == 2
 
 
 def _handed_over(dt) -> bool:
