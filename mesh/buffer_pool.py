@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -42,19 +42,26 @@ _kept_bytes = 0
 stats = {"reused": 0, "allocated": 0}
 
 
-def set_buffer_reuse(enabled: bool) -> None:
-    """Turn reuse of redistribution output buffers on or off (on by default, CPU only).
+def set_buffer_reuse(enabled: bool, *, max_bytes: Optional[int] = None, max_buffers: Optional[int] = None) -> None:
+    """Turn reuse of redistribution output buffers on or off (on by default, CPU only), and bound it.
 
-    Off forgets every kept buffer (tensors handed out keep their memory).
+    Off forgets every kept buffer (tensors handed out keep their memory). ``max_bytes`` and
+    ``max_buffers`` bound what the pool keeps (in use or idle; default 1 GiB and 16).
 
     Example:
-        >>> set_buffer_reuse(False); set_buffer_reuse(True)
+        >>> set_buffer_reuse(False); set_buffer_reuse(True, max_bytes=256 << 20)
     """
-    global _enabled
+    global _enabled, MAX_BYTES, MAX_BUFFERS
     with _lock:
         _enabled = bool(enabled) and _use_count is not None
+        if max_bytes is not None:
+            MAX_BYTES = int(max_bytes)
+        if max_buffers is not None:
+            MAX_BUFFERS = int(max_buffers)
         if not _enabled:
             _forget_all()
+        else:
+            _evict()
 
 
 def buffer_reuse_enabled() -> bool:
@@ -173,10 +180,16 @@ def _take(nbytes: int) -> torch.UntypedStorage:
         stats["allocated"] += 1
         _kept[storage._cdata] = (nbytes, storage)
         _kept_bytes += nbytes
-        while len(_kept) > MAX_BUFFERS or _kept_bytes > MAX_BYTES:
-            _, (size, _) = _kept.popitem(last=False)
-            _kept_bytes -= size
+        _evict()
         return storage
+
+
+def _evict() -> None:
+    """Forget the least recently used buffers beyond the bounds (under the lock)."""
+    global _kept_bytes
+    while _kept and (len(_kept) > MAX_BUFFERS or _kept_bytes > MAX_BYTES):
+        _, (size, _) = _kept.popitem(last=False)
+        _kept_bytes -= size
 
 
 def holds(t: torch.Tensor) -> int:

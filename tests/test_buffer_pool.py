@@ -121,6 +121,17 @@ def test_bounded_least_recently_used_first():
     assert not bp.holds(kept[0]) and bp.holds(kept[-1])
 
 
+def test_byte_bound():
+    nbytes = SHAPE[0] * SHAPE[1] * 4
+    old = bp.MAX_BYTES
+    try:
+        bp.set_buffer_reuse(True, max_bytes=3 * nbytes)
+        kept = [bp.empty(SHAPE, _like()) for _ in range(5)]
+        assert sum(1 for t in kept if bp.holds(t)) == 3 and bp._kept_bytes == 3 * nbytes
+    finally:
+        bp.set_buffer_reuse(True, max_bytes=old)
+
+
 def test_threads_never_share_a_buffer():
     errors = []
 
