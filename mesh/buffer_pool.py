@@ -138,26 +138,23 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return empty(t.shape, t)
 
 
+def _python_refs(handle) -> int:
+    return sys.getrefcount(handle)
+
+
 def _python_refs_in_loop(kept) -> int:
-    """``sys.getrefcount`` of a kept handle nobody else references, seen from a loop like ``_take``'s."""
+    """What ``_take``'s loop sees as the Python refcount of a kept handle nobody else references."""
     for _, (_, handle) in kept.items():
-        return sys.getrefcount(handle)
+        return _python_refs(handle)
     return -1
 
 
-# The Python references the pool itself holds to a handle while ``_take`` looks at it (the
-# dict's tuple, the loop's name, getrefcount's argument: 3 on CPython 3.11), measured once.
+# The Python references the pool itself holds to a handle while ``_take`` looks at it (the dict's
+# tuple, the loop's name, the call's argument), measured once by the same loop and call: torch keeps
+# one Python object per storage, so ``t.untyped_storage()`` held by a user is the pool's own handle
+# and shows only here. Every tensor, view, saved tensor or pending work on the memory shows in the
+# storage's use count instead (1: the handle alone).
 _OWN_REFS = _python_refs_in_loop(OrderedDict([(0, (0, object()))]))
-
-
-def _free(storage: torch.UntypedStorage) -> bool:
-    """Whether nothing but the pool holds ``storage`` (called inside ``_take``'s loop, under the lock).
-
-    torch keeps one Python object per storage: ``t.untyped_storage()`` returns the pool's own
-    handle, so a user holding it shows in its Python refcount, and every tensor, view, saved
-    tensor or pending work on it shows in the storage's use count (1: the handle alone).
-    """
-    return _use_count(storage._cdata) == 1 and sys.getrefcount(storage) == _OWN_REFS + 1
 
 
 def _take(nbytes: int) -> torch.UntypedStorage:
@@ -167,7 +164,7 @@ def _take(nbytes: int) -> torch.UntypedStorage:
         for key, (size, storage) in _kept.items():
             if size != nbytes:
                 continue
-            if _free(storage):
+            if _use_count(storage._cdata) == 1 and _python_refs(storage) == _OWN_REFS:
                 # A resized or shared storage is not what was kept: forget it.
                 if storage.nbytes() != size or storage.is_shared():
                     del _kept[key]
