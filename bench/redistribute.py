@@ -243,9 +243,13 @@ def _time_case(fns: Dict[str, Callable], reps: int, warmup: int) -> Dict[str, Li
     return samples
 
 
-def bench_ranks(rank: int, world_size: int, sizes_mb: List[float], reps: int, warmup: int) -> Dict:
+def bench_ranks(rank: int, world_size: int, sizes_mb: List[float], reps: int, warmup: int,
+                compare_reuse: bool = False) -> Dict:
     """Body run on each rank; rank 0's return value is the result dict (keyed "transition @ N MB")."""
+    global CONTENDERS
     assert world_size == WORLD
+    if compare_reuse:  # one more contender: ours with output buffer reuse off
+        CONTENDERS = CONTENDERS + ("noreuse",)
     results = {}
     for size_mb in sizes_mb:
         results.update(_bench_size(rank, size_mb, reps, warmup))
@@ -317,6 +321,8 @@ def _bench_size(rank: int, size_mb: float, reps: int, warmup: int) -> Dict:
                 "raw": _raw_floor(case, n, rank, full, mm_args),
                 "alloc": _raw_floor(case, n, rank, full, mm_args, fresh=True),
             }
+            if "noreuse" in CONTENDERS:
+                fns["noreuse"] = _without_reuse(fns["ours"])
             samples = _time_case(fns, reps, warmup)
             entry["samples_ms"] = samples
             for name in CONTENDERS:
@@ -333,6 +339,20 @@ def _bench_size(rank: int, size_mb: float, reps: int, warmup: int) -> Dict:
         results[key] = entry
         dist.barrier()
     return results
+
+
+def _without_reuse(run: Callable) -> Callable:
+    """``run`` with shardprop's output buffer reuse off (kept buffers stay kept for ``ours``)."""
+    from shardprop.mesh import buffer_pool
+
+    def call():
+        was = buffer_pool._enabled  # the flag itself: set_buffer_reuse(False) would forget ours' buffers
+        buffer_pool._enabled = False
+        try:
+            return run()
+        finally:
+            buffer_pool._enabled = was
+    return call
 
 
 # ------------------------------------------------------------------ driver side
@@ -395,6 +415,20 @@ def report(results: Dict, reps: int) -> None:
     g_alloc = _geomean([r[8] for r in rows])
     print(f"\ngeomean over {len(rows)} rows: ours/raw {g_ours:.3f} (target <= {GEOMEAN_TARGET})   ref/raw {g_ref:.3f}"
           f"   ours/(raw+alloc) {g_alloc:.3f}")
+    with_noreuse = [r for r in results.values() if "noreuse_ms" in r]
+    if with_noreuse:
+        print("\nbuffer reuse: ours (reuse on) vs noreuse (reuse off), same run")
+        print(tabulate([[r["case"], f"{r['size_mb']:g}", r["ours_ms"], r["noreuse_ms"], r["ours_ms"] / r["noreuse_ms"],
+                         r["noreuse_ms"] / r["raw_ms"]] for r in with_noreuse],
+                       headers=["transition", "MB", "ours ms", "noreuse ms", "ours/noreuse", "noreuse/raw"],
+                       floatfmt=".3f"))
+        g_nr = _geomean([r["noreuse_ms"] / r["raw_ms"] for r in with_noreuse])
+        print(f"geomean noreuse/raw {g_nr:.3f}   ours/noreuse "
+              f"{_geomean([r['ours_ms'] / r['noreuse_ms'] for r in with_noreuse]):.3f}")
+        for s in sizes:
+            rs = [r for r in with_noreuse if r["size_mb"] == s]
+            print(f"  at {s:g} MB: ours/raw {_geomean([r['ours_ms'] / r['raw_ms'] for r in rs]):.3f}   "
+                  f"noreuse/raw {_geomean([r['noreuse_ms'] / r['raw_ms'] for r in rs]):.3f}")
     print("\nplans (ours):")
     for name, r in results.items():
         if r.get("size_mb") == sizes[-1]:
@@ -420,6 +454,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", default=",".join(f"{s:g}" for s in SIZES_MB),
                     help="comma-separated global tensor sizes in MB (default 1,16,64)")
     ap.add_argument("--size-mb", type=float, help="one size only (same as --sizes N)")
+    ap.add_argument("--compare-reuse", action="store_true",
+                    help="add a contender: ours with output buffer reuse off (shardprop.set_buffer_reuse)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON, keyed by transition and size")
     args = ap.parse_args(argv)
     if args.reps < 2:
@@ -432,7 +468,8 @@ def main(argv=None) -> None:
         ap.error("--sizes: give at least one positive size")
 
     t0 = time.perf_counter()
-    results = launch(bench_ranks, WORLD, sizes, args.reps, args.warmup, timeout_s=600)
+    results = launch(bench_ranks, WORLD, sizes, args.reps, args.warmup, args.compare_reuse,
+                     timeout_s=900 if args.compare_reuse else 600)
     report(results, args.reps)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
     if args.json:

@@ -18,6 +18,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import buffer_pool
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
 # torch 2.13 names the single-buffer collectives *_single and warns on the old
@@ -192,7 +193,7 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     if type(t) is not torch.Tensor and is_traced(t):
         out = _functional("all_gather", t if t.ndim else t.reshape(1), group, n)
         return finish(out) if finish is not None else out
-    out = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:])) if t.ndim else t.new_empty((n,))
+    out = buffer_pool.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.ndim else (n,), t)
     work = _all_gather_flat(out, t, group=group, async_op=async_op)
     return _finish(out, work, async_op, finish, finish_shape)
 
@@ -215,7 +216,7 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
         out = _functional("reduce_scatter", t, group, n, op)
         out = out / n if op == "avg" else out
         return finish(out) if finish is not None else out
-    out = t.new_empty((t.shape[0] // n,) + tuple(t.shape[1:]))
+    out = buffer_pool.empty((t.shape[0] // n,) + tuple(t.shape[1:]), t)
     work = _reduce_scatter_flat(out, t, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return _finish(out, work, async_op, _then(_avg(n) if op == "avg" else None, finish), finish_shape)
 
@@ -234,7 +235,12 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
             _count("all_reduce", t)
         out = _functional("all_reduce", t.contiguous(), group, n, op)
         return out / n if op == "avg" else out
-    out = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+    if inplace and t.is_contiguous():
+        out = t
+    elif buffer_pool.plain(t):
+        out = buffer_pool.empty_like(t).copy_(t)
+    else:
+        out = t.clone(memory_format=torch.contiguous_format)
     if _counters:
         _count("all_reduce", out)
     work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=async_op)
@@ -262,7 +268,7 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
         return finish(res) if finish is not None else res
     if out is None:
         rows = sum(output_split_sizes) if output_split_sizes is not None else t.shape[0]
-        out = t.new_empty((rows,) + tuple(t.shape[1:]))
+        out = buffer_pool.empty((rows,) + tuple(t.shape[1:]), t)
     work = dist.all_to_all_single(out, t, output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
                                   input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
                                   group=group, async_op=async_op)

@@ -19,6 +19,7 @@ from shardprop.parallel.parallelize import distribute_module, parallelize_module
 from shardprop.parallel.styles import ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel  # noqa: E402
 from shardprop.parallel.loss_parallel import loss_parallel  # noqa: E402
 from shardprop.mesh.collectives import CommCounter, comm_counter  # noqa: E402
+from shardprop.mesh.buffer_pool import buffer_reuse_enabled, set_buffer_reuse  # noqa: E402
 from shardprop.dispatch.random_ops import manual_seed  # noqa: E402  (also registers the random-op handlers)
 from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
 from shardprop.parallel.fully_shard import FSDPModule, fully_shard  # noqa: E402
@@ -32,7 +33,7 @@ _parallelize.on_distributed.append(enable_full_state_dict_loading)
 
 __all__ = [
     "distribute_module", "parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-    "CommCounter", "comm_counter", "manual_seed", "GradientReducer", "compute_bucket_assignment_by_size", "replicate_gradients",
+    "CommCounter", "comm_counter", "set_buffer_reuse", "buffer_reuse_enabled", "manual_seed", "GradientReducer", "compute_bucket_assignment_by_size", "replicate_gradients",
     "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "ShardingError",
     "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain", "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
     "print_cache_stats", "register_sharding", "set_cache_size", "set_decompose_fallback", "set_fallback_to_replicate",

@@ -138,7 +138,9 @@ def _sole_owner(dt) -> bool:
     if sys.getrefcount(local) != 3:  # dt's attribute, this frame's name, getrefcount's argument
         return False
     storage = local.untyped_storage()
-    return _storage_use_count(storage._cdata) == 2  # ``local`` and ``storage`` (this frame's handle)
+    # ``local`` and ``storage`` (this frame's handle; torch keeps one Python object per storage,
+    # so where the buffer pool keeps this memory ``storage`` is the pool's handle, counted once).
+    return _storage_use_count(storage._cdata) == 2
 
 
 def _handed_over(dt) -> bool:

@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import buffer_pool
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor.boxes import Box, narrow, numel, plan_transfers, relative, shard_box
@@ -122,7 +123,7 @@ def run_p2p(local: torch.Tensor, spec, cur, dst, owned: bool, async_op: bool) ->
     if prog.whole and owned and local.is_contiguous():
         out = local  # nothing arrives: the shard is the input, which nobody else holds
     else:
-        out = local.new_empty(prog.out_shape)
+        out = buffer_pool.empty(prog.out_shape, local)
         if prog.keep is not None:  # copied while the messages travel (it writes no received piece)
             def keep(out=out, to=prog.keep[1], frm=prog.keep[0]):
                 narrow(out, to).copy_(narrow(local, frm))
@@ -132,7 +133,7 @@ def run_p2p(local: torch.Tensor, spec, cur, dst, owned: bool, async_op: bool) ->
         if view.is_contiguous():  # receive in place when the piece is one run of memory
             recvs.append((view, peer, tag))
         else:
-            buf = local.new_empty(box[1])
+            buf = buffer_pool.empty(box[1], local)
             recvs.append((buf, peer, tag))
             scattered.append((view, buf))
 

@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from shardprop.mesh import buffer_pool
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import permute
@@ -289,9 +290,16 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         return t
     shape = list(t.shape)
     shape[dim] = size
-    out = t.new_zeros(shape)
+    out = buffer_pool.empty(shape, t).zero_() if buffer_pool.plain(t) else t.new_zeros(shape)
     out.narrow(dim, 0, t.shape[dim]).copy_(t)
     return out
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` (a plain tensor), into a reused buffer where one is free."""
+    if not buffer_pool.plain(t):  # traced or not CPU: the usual op, graphs unchanged
+        return t.clone(memory_format=torch.contiguous_format)
+    return buffer_pool.empty(t.shape, t).copy_(t)
 
 
 def _run_gather(local, step: Step, cur, spec, owned, async_op):
@@ -321,11 +329,15 @@ def _run_gather(local, step: Step, cur, spec, owned, async_op):
                 b = buf.view(k, *shape).movedim(0, d)
                 merged = list(shape)
                 merged[d] = k * c
-                return b.reshape(merged)  # the one layout copy
+                if not buffer_pool.plain(buf):
+                    return b.reshape(merged)  # the one layout copy
+                out = buffer_pool.empty(merged, buf)  # the one layout copy, into a reused buffer
+                out.view(b.shape).copy_(b)
+                return out
             # Uneven: each rank's piece, padding dropped, straight into the final layout (still one copy).
             final = list(shape)
             final[d] = n
-            out = buf.new_empty(final)
+            out = buffer_pool.empty(final, buf)
             pieces = buf.view(k, *shape)
             for r in range(k):
                 off, ln = chunk_bounds(n, k, r)
@@ -368,7 +380,7 @@ def _run_all_to_all(local, step: Step, cur, spec, owned, async_op):
         row = math.prod(local.shape[1:])
         send_sizes = [ln * row for _, ln in rows_j]
     else:
-        flat_in = local.new_empty(local.numel())
+        flat_in = buffer_pool.empty((local.numel(),), local)
         o = 0
         for off, ln in rows_j:
             piece = local.narrow(j, off, ln)
@@ -390,7 +402,10 @@ def _run_all_to_all(local, step: Step, cur, spec, owned, async_op):
         if i == 0:
             return buf.view(out_shape)
         parts = torch.split(buf, recv_sizes)
-        return torch.cat([p.view(s) for p, s in zip(parts, shapes)], dim=i)
+        views = [p.view(s) for p, s in zip(parts, shapes)]
+        if not buffer_pool.plain(buf):
+            return torch.cat(views, dim=i)
+        return torch.cat(views, dim=i, out=buffer_pool.empty(out_shape, buf))
     return C.all_to_all(flat_in, spec.mesh, (m,), recv_sizes, send_sizes, async_op=async_op, finish=fix,
                         finish_shape=out_shape)
 
@@ -408,11 +423,14 @@ def _run_reduce_scatter(local, step: Step, cur, spec, owned, async_op):
     # The k chunks of dim d stacked on dim 0 (one copy when d != 0): the collective's output is
     # then this rank's chunk already laid out as the final shard, with no copy after it.
     buf = x.reshape(pre + [k, c] + post).movedim(d, 0)
+    if d and buffer_pool.plain(buf):
+        buf = _copy(buf)  # the one pack copy, into a reused buffer
     final = list(local.shape)
     final[d] = ln
 
     def fix(out):
-        return out.view(pre + [c] + post).narrow(d, 0, ln).contiguous()
+        res = out.view(pre + [c] + post).narrow(d, 0, ln)
+        return res if res.is_contiguous() else _copy(res)  # uneven: drop the padding
     return C.reduce_scatter(buf, spec.mesh, (m,), step.src[0].reduce_op, async_op=async_op, finish=fix,
                             finish_shape=final)
 
@@ -434,14 +452,14 @@ def _run_chunk(local, step: Step, cur, spec, owned, async_op):
     # piece is at least half of it.
     if owned and piece.is_contiguous() and 2 * piece.numel() >= local.numel():
         return piece
-    return piece.contiguous() if not piece.is_contiguous() else piece.clone()
+    return _copy(piece)
 
 
 def _run_to_partial(local, step: Step, cur, spec, owned, async_op):
     m = step.mesh_dims[0]
     if step.dst[0].reduce_op == "sum" and spec.mesh._coord[m] != 0:
         return torch.zeros_like(wait_all(local))
-    return local if owned else wait_all(local).clone()
+    return local if owned else _copy(wait_all(local))
 
 
 def _run_p2p(local, step: Step, cur, spec, owned, async_op):

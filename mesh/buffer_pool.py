@@ -1,0 +1,201 @@
+"""Reuse of large CPU output buffers of redistribution (no caching allocator on CPU).
+
+glibc serves large allocations with a fresh ``mmap``, so every new multi-MB output of a
+collective pays one page fault per 4 KB page on first write: a 64 MB all-gather into a
+fresh buffer takes about 1.5x as long as into a warm one. CUDA has a caching allocator;
+CPU has none. This pool keeps the memory of outputs it handed out before and hands it out
+again, but only when provably nobody else holds it.
+
+How that is proved: the pool keeps one ``UntypedStorage`` handle per buffer and hands out a
+*new* tensor on that storage each time (``set_``; never a tensor object it keeps). Every
+holder of that memory, a tensor, a view, ``.data``, ``detach()``, an autograd-saved tensor,
+an AsyncTensor or a c10d work still in flight, numpy, raises the storage's use count; a
+holder of ``t.untyped_storage()`` (torch returns the pool's own handle object) raises that
+object's Python refcount. A buffer is handed out again only when both show the pool alone. Anything unusual (torch without the count, shared memory, a resized storage, a
+device other than CPU, tensors torch.compile traces) allocates normally.
+
+Bounded: only buffers of at least ``MIN_BYTES``; at most ``MAX_BUFFERS`` kept and
+``MAX_BYTES`` in all; the least recently used are forgotten first (forgetting a buffer in
+use is harmless: its holders keep it). Off with ``set_buffer_reuse(False)``.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import torch
+
+MIN_BYTES = 1 << 20          # below this glibc reuses freed memory by itself
+MAX_BUFFERS = 16
+MAX_BYTES = 1 << 30          # kept memory, in use or not
+
+# torch's count of the references to a storage (private; absent: never reuse).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_enabled = _use_count is not None
+_lock = threading.Lock()
+# storage address (StorageImpl*) -> (nbytes, UntypedStorage handle); most recently used last.
+_kept: "OrderedDict[int, tuple]" = OrderedDict()
+_kept_bytes = 0
+# Tally for tests and benches: buffers handed out again, and fresh ones kept.
+stats = {"reused": 0, "allocated": 0}
+
+
+def set_buffer_reuse(enabled: bool, *, max_bytes: Optional[int] = None, max_buffers: Optional[int] = None) -> None:
+    """Turn reuse of redistribution output buffers on or off (on by default, CPU only), and bound it.
+
+    Off forgets every kept buffer (tensors handed out keep their memory). ``max_bytes`` and
+    ``max_buffers`` bound what the pool keeps (in use or idle; default 1 GiB and 16).
+
+    Example:
+        >>> set_buffer_reuse(False); set_buffer_reuse(True, max_bytes=256 << 20)
+    """
+    global _enabled, MAX_BYTES, MAX_BUFFERS
+    with _lock:
+        _enabled = bool(enabled) and _use_count is not None
+        if max_bytes is not None:
+            MAX_BYTES = int(max_bytes)
+        if max_buffers is not None:
+            MAX_BUFFERS = int(max_buffers)
+        if not _enabled:
+            _forget_all()
+        else:
+            _evict()
+
+
+def buffer_reuse_enabled() -> bool:
+    """Whether output buffers are reused.
+
+    Example:
+        >>> isinstance(buffer_reuse_enabled(), bool)
+        True
+    """
+    return _enabled
+
+
+def clear() -> None:
+    """Forget every kept buffer (their holders keep them).
+
+    Example:
+        >>> clear()
+    """
+    with _lock:
+        _forget_all()
+
+
+def _forget_all() -> None:
+    global _kept_bytes
+    _kept.clear()
+    _kept_bytes = 0
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an eager CPU tensor whose outputs may come from the pool (not traced, not CUDA).
+
+    Callers keep their usual code (``clone``, ``reshape``) otherwise, so traced graphs do not change.
+
+    Example:
+        >>> plain(torch.ones(1)) == buffer_reuse_enabled()
+        True
+    """
+    return _enabled and type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of ``shape`` with ``like``'s dtype and device, its memory maybe reused.
+
+    Its values are undefined, as with ``torch.empty``. The memory is reused only when no
+    tensor, view, autograd record or pending collective holds it any more.
+
+    Example:
+        >>> empty((4, 4), torch.ones(1)).shape
+        torch.Size([4, 4])
+    """
+    shape = tuple(shape)
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * like.element_size()
+    if nbytes < MIN_BYTES or not plain(like):
+        return like.new_empty(shape)
+    storage = _take(nbytes)
+    out = torch.empty(0, dtype=like.dtype, device=like.device)
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return out.set_(storage, 0, shape, tuple(reversed(strides)))
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """:func:`empty` of ``t``'s shape (contiguous), dtype and device.
+
+    Example:
+        >>> empty_like(torch.ones(3)).shape
+        torch.Size([3])
+    """
+    return empty(t.shape, t)
+
+
+def _python_refs(handle) -> int:
+    return sys.getrefcount(handle)
+
+
+def _python_refs_in_loop(kept) -> int:
+    """What ``_take``'s loop sees as the Python refcount of a kept handle nobody else references."""
+    for _, (_, handle) in kept.items():
+        return _python_refs(handle)
+    return -1
+
+
+# The Python references the pool itself holds to a handle while ``_take`` looks at it (the dict's
+# tuple, the loop's name, the call's argument), measured once by the same loop and call: torch keeps
+# one Python object per storage, so ``t.untyped_storage()`` held by a user is the pool's own handle
+# and shows only here. Every tensor, view, saved tensor or pending work on the memory shows in the
+# storage's use count instead (1: the handle alone).
+_OWN_REFS = _python_refs_in_loop(OrderedDict([(0, (0, object()))]))
+
+
+def _take(nbytes: int) -> torch.UntypedStorage:
+    """A storage of ``nbytes`` nobody holds, kept by the pool (a fresh one if none is free)."""
+    global _kept_bytes
+    with _lock:
+        for key, (size, storage) in _kept.items():
+            if size != nbytes:
+                continue
+            if _use_count(storage._cdata) == 1 and _python_refs(storage) == _OWN_REFS:
+                # A resized or shared storage is not what was kept: forget it.
+                if storage.nbytes() != size or storage.is_shared():
+                    del _kept[key]
+                    _kept_bytes -= size
+                    break
+                _kept.move_to_end(key)
+                stats["reused"] += 1
+                return storage
+        storage = torch.UntypedStorage(nbytes)
+        stats["allocated"] += 1
+        _kept[storage._cdata] = (nbytes, storage)
+        _kept_bytes += nbytes
+        _evict()
+        return storage
+
+
+def _evict() -> None:
+    """Forget the least recently used buffers beyond the bounds (under the lock)."""
+    global _kept_bytes
+    while _kept and (len(_kept) > MAX_BUFFERS or _kept_bytes > MAX_BYTES):
+        _, (size, _) = _kept.popitem(last=False)
+        _kept_bytes -= size
+
+
+def holds(t: torch.Tensor) -> int:
+    """1 if the pool keeps ``t``'s memory (one extra reference to its storage), else 0.
+
+    Example:
+        >>> holds(torch.ones(2))
+        0
+    """
+    if not _kept:
+        return 0
+    return 1 if t.untyped_storage()._cdata in _kept else 0
