@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from shardprop.parallel.fused_linear import install
+from shardprop.parallel.fused_norm import install_norm
+from shardprop.parallel.grad_sync import grad_like
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
 
@@ -100,16 +102,8 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
         dt = distribute_tensor(p.detach(), mesh, [placement])
         param = nn.Parameter(dt, requires_grad=p.requires_grad)
         if p.requires_grad:
-            param.register_hook(_grad_like(param.placements))
+            param.register_hook(grad_like(param, param.placements))
         module.register_parameter(name, param)
-
-
-def _grad_like(placements):
-    def hook(grad):
-        if isinstance(grad, DTensor) and grad.placements != placements:
-            return grad.redistribute(placements=placements)
-        return grad
-    return hook
 
 
 def check_divisible(module_name: str, module: nn.Module, style: str, param: str, dim: int, mesh) -> None:
@@ -262,6 +256,13 @@ class SequenceParallel(ParallelStyle):
         def post(mod, inputs, output):
             return _maybe_local(output, use_local)
 
+        # Eager: torch's own per-token norms run on the local sequence piece (fused_norm); any other
+        # module (it may mix tokens or draw random numbers) and torch.compile keep this DTensor path.
+        def hooked(mod, x):
+            return post(mod, None, type(mod).forward(mod, *pre(mod, (x,))))
+
+        if install_norm(module, mesh, self.sequence_dim, use_local, hooked):
+            return module
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
