@@ -81,6 +81,10 @@ def _cases(mesh_shape):
     counts = {}
     for kind, make in NORMS.items():
         for oname, opt in optims.items():
+            # AdamW on two norm kinds, and only the main kinds on the 2x2 mesh: keeps the test fast.
+            if (oname == "adamw" and kind not in ("layernorm", "rmsnorm")) or \
+                    (len(mesh_shape) == 2 and (oname == "sgd" or kind not in ("layernorm", "rmsnorm"))):
+                continue
             where = f"{kind} {oname} mesh={mesh_shape}"
             torch.manual_seed(0)
             ref = Block(make)
