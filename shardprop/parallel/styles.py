@@ -89,7 +89,9 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
     Parameters that are DTensors already are kept (a module styled twice keeps its first
     layout). The gradient of each parameter is laid out like the parameter (a hook
     redistributes it if the backward produced another layout, e.g. ``Partial`` from a
-    sequence-sharded layer norm), so optimizer states and updates stay local.
+    sequence-sharded layer norm; ``Partial -> Replicate`` ones are coalesced into one
+    all-reduce at the end of ``backward()``, see ``grad_sync``), so optimizer states and
+    updates stay local.
 
     Example:
         >>> distribute_params(linear, mesh, {"weight": Shard(0), "bias": Shard(0)}.get)  # doctest: +SKIP
@@ -233,7 +235,10 @@ class SequenceParallel(ParallelStyle):
     The input becomes ``Shard(sequence_dim)`` (a plain tensor is taken to be this rank's piece of the
     sequence; a DTensor in another layout is redistributed), and the output stays a sequence-sharded
     DTensor (``use_local_output=False``) for the next style to consume. Gradients of the replicated
-    parameters (partial sums over the sequence pieces) are all-reduced into their layout.
+    parameters (partial sums over the sequence pieces) are all-reduced into their layout: in
+    ``loss.backward()`` all of them together, in one all-reduce at the end (``grad_sync``).
+    In eager mode ``nn.LayerNorm`` and ``nn.RMSNorm`` (torch's classes) run on the local
+    sequence piece without DTensor dispatch (``fused_norm``); other modules run on DTensors.
 
     Example:
         >>> plan = {"attention_norm": SequenceParallel(), "attention": PrepareModuleInput(
