@@ -50,16 +50,10 @@ class LlamaConfig:
         return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
 
 
-class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * w`` with plain ops, so it runs on sequence-sharded DTensors."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+# torch's own RMSNorm: ``x * rsqrt(mean(x^2) + eps) * weight`` (the formula this model always used;
+# state-dict key ``weight``). Being torch's class, a SequenceParallel style runs it on the local
+# sequence piece without DTensor dispatch (shardprop.parallel.fused_norm).
+RMSNorm = nn.RMSNorm
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> Tuple[torch.Tensor, torch.Tensor]:

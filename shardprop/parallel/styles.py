@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from shardprop.parallel.fused_linear import install
+from shardprop.parallel.fused_norm import install_norm
+from shardprop.parallel.grad_sync import grad_like
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
 
@@ -87,7 +89,9 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
     Parameters that are DTensors already are kept (a module styled twice keeps its first
     layout). The gradient of each parameter is laid out like the parameter (a hook
     redistributes it if the backward produced another layout, e.g. ``Partial`` from a
-    sequence-sharded layer norm), so optimizer states and updates stay local.
+    sequence-sharded layer norm; ``Partial -> Replicate`` ones are coalesced into one
+    all-reduce at the end of ``backward()``, see ``grad_sync``), so optimizer states and
+    updates stay local.
 
     Example:
         >>> distribute_params(linear, mesh, {"weight": Shard(0), "bias": Shard(0)}.get)  # doctest: +SKIP
@@ -100,16 +104,8 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
         dt = distribute_tensor(p.detach(), mesh, [placement])
         param = nn.Parameter(dt, requires_grad=p.requires_grad)
         if p.requires_grad:
-            param.register_hook(_grad_like(param.placements))
+            param.register_hook(grad_like(param, param.placements))
         module.register_parameter(name, param)
-
-
-def _grad_like(placements):
-    def hook(grad):
-        if isinstance(grad, DTensor) and grad.placements != placements:
-            return grad.redistribute(placements=placements)
-        return grad
-    return hook
 
 
 def check_divisible(module_name: str, module: nn.Module, style: str, param: str, dim: int, mesh) -> None:
@@ -239,7 +235,10 @@ class SequenceParallel(ParallelStyle):
     The input becomes ``Shard(sequence_dim)`` (a plain tensor is taken to be this rank's piece of the
     sequence; a DTensor in another layout is redistributed), and the output stays a sequence-sharded
     DTensor (``use_local_output=False``) for the next style to consume. Gradients of the replicated
-    parameters (partial sums over the sequence pieces) are all-reduced into their layout.
+    parameters (partial sums over the sequence pieces) are all-reduced into their layout: in
+    ``loss.backward()`` all of them together, in one all-reduce at the end (``grad_sync``).
+    In eager mode ``nn.LayerNorm`` and ``nn.RMSNorm`` (torch's classes) run on the local
+    sequence piece without DTensor dispatch (``fused_norm``); other modules run on DTensors.
 
     Example:
         >>> plan = {"attention_norm": SequenceParallel(), "attention": PrepareModuleInput(
@@ -262,6 +261,13 @@ class SequenceParallel(ParallelStyle):
         def post(mod, inputs, output):
             return _maybe_local(output, use_local)
 
+        # Eager: torch's own per-token norms run on the local sequence piece (fused_norm); any other
+        # module (it may mix tokens or draw random numbers) and torch.compile keep this DTensor path.
+        def hooked(mod, x):
+            return post(mod, None, type(mod).forward(mod, *pre(mod, (x,))))
+
+        if install_norm(module, mesh, self.sequence_dim, use_local, hooked):
+            return module
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module

@@ -1,0 +1,102 @@
+"""The eager fast path of SequenceParallel on torch's per-token norms: the norm on the local sequence piece.
+
+``nn.LayerNorm`` and ``nn.RMSNorm`` (torch's own classes, not subclasses) normalize each
+token on its own and draw no random numbers, so on a sequence-sharded input each rank can
+run the norm on its local piece with the local (replicated) weights: no DTensor dispatch
+per op. Parameters stay DTensor ``nn.Parameter``s: the local weight is taken through a
+one-node autograd path whose backward wraps the local weight gradient (this rank's sum
+over its sequence piece) as a ``Partial`` DTensor, which the parameter's hook
+(``grad_sync``) reduces to ``Replicate`` (coalesced with the others at the end of backward).
+The output is the ``Shard(seq)`` DTensor of the local result (or the local result with
+``use_local_output``), as the DTensor path gives. Under ``torch.compile``, for other module
+types, or when the sequence dim is a normalized dim, the DTensor path runs.
+
+Example:
+    >>> parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})  # doctest: +SKIP
+    >>> model.norm(x_seq_piece)  # F.rms_norm on the local piece; weight grad Partial -> Replicate
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardprop.parallel.fused_linear import _LocalOf
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.placement import Partial, Shard
+
+_is_compiling = torch.compiler.is_compiling
+_P = (Partial(),)
+_KNOWN = (nn.LayerNorm, nn.RMSNorm)
+
+
+class FusedNorm:
+    """What a sequence-parallel norm's forward needs: mesh, sequence dim, output kind, the DTensor fallback.
+
+    ``forward(module, input)`` is installed as the module's ``forward`` via ``functools.partial``.
+    """
+
+    def __init__(self, mesh, sequence_dim: int, use_local_output: bool, hooked):
+        self.mesh, self.sequence_dim, self.use_local, self.hooked = mesh, sequence_dim, use_local_output, hooked
+        self._seq = {}
+
+    def __deepcopy__(self, memo):
+        return self  # immutable after construction; the mesh is shared, as DTensors share it
+
+    def forward(self, module, input):  # noqa: A002 (the norms' forward argument name)
+        """The norm on this rank's sequence piece; a Shard(seq) DTensor out (local with use_local_output)."""
+        x = input
+        if _is_compiling() or not isinstance(x, torch.Tensor):
+            return self.hooked(module, x)
+        ndim = x.ndim
+        seq = self._seq.get(ndim)
+        if seq is None:
+            d = self.sequence_dim + ndim if self.sequence_dim < 0 else self.sequence_dim
+            seq = self._seq[ndim] = (Shard(d),) if 0 <= d < ndim - len(module.normalized_shape) else ()
+        w, b = module.weight, getattr(module, "bias", None)
+        if not seq or (w is not None and not isinstance(w, DTensor)) or (b is not None and not isinstance(b, DTensor)):
+            return self.hooked(module, x)  # the sequence dim is normalized over, or plain parameters
+        mesh = self.mesh
+        if isinstance(x, DTensor):
+            if x._spec.mesh != mesh:
+                return self.hooked(module, x)
+            if x._spec.placements != seq:
+                x = x.redistribute(placements=seq)
+            shape = x._spec.shape
+            xl = _LocalOf.apply(x, x._spec) if x.requires_grad else x._local_tensor
+        else:
+            xl, shape = x, None
+        wl = None if w is None else _LocalOf.apply(w, w._spec.with_placements(_P))
+        if type(module) is nn.RMSNorm:
+            y = F.rms_norm(xl, module.normalized_shape, wl, module.eps)
+        else:
+            bl = None if b is None else _LocalOf.apply(b, b._spec.with_placements(_P))
+            y = F.layer_norm(xl, module.normalized_shape, wl, bl, module.eps)
+        if self.use_local:
+            return y
+        if shape is None:  # a plain input is this rank's even piece of the sequence
+            shape = list(y.shape)
+            shape[seq[0].dim] *= mesh.size()
+        return DTensor.from_local(y, mesh, seq, shape=tuple(shape))
+
+
+def install_norm(module: nn.Module, mesh, sequence_dim: int, use_local_output: bool, hooked) -> bool:
+    """Give ``module`` the local-piece forward if it is exactly ``nn.LayerNorm`` or ``nn.RMSNorm``.
+
+    Returns False (keep the DTensor hooks) for any other module, a subclass, or a module whose
+    ``forward`` was replaced.
+
+    Example:
+        >>> install_norm(nn.RMSNorm(64), tp_mesh, 1, False, hooked)  # doctest: +SKIP
+        True
+    """
+    if type(module) not in _KNOWN or "forward" in vars(module):
+        return False
+    fused = FusedNorm(mesh, sequence_dim, use_local_output, hooked)
+    module.forward = functools.partial(fused.forward, module)
+    return True
+
+
+__all__ = ["FusedNorm", "install_norm"]

@@ -1,0 +1,122 @@
+"""Gradients of parameters laid out like the parameter, with ``Partial -> Replicate`` reductions coalesced.
+
+A replicated parameter used on sequence-sharded activations (a ``SequenceParallel`` norm
+weight, a row-parallel bias) gets a ``Partial`` gradient: each rank's sum over its
+sequence piece. Reducing each such gradient in its own hook costs one small all-reduce per
+parameter. Instead, during ``loss.backward()`` the hook records the partial local gradient,
+hands autograd a zero gradient laid out as ``Replicate`` (so accumulation into ``.grad``
+stays exact), and one callback at the end of the backward all-reduces every recorded
+gradient in one flat buffer per (mesh, mesh dims, dtype, device) and adds the sums into
+``param.grad``. So after ``backward()`` returns, ``param.grad`` is ``Replicate`` and
+correct, and accumulation over several backwards stays correct.
+
+The per-hook reduction is kept where deferral would be wrong: ``torch.autograd.grad``
+(the parameter's gradient is returned, not accumulated), ``create_graph=True``,
+parameters with post-accumulate-grad hooks (they must see the final gradient), and
+under ``torch.compile``.
+
+Example:
+    >>> param.register_hook(grad_like(param, param.placements))  # doctest: +SKIP
+    >>> loss.backward()  # one all-reduce for all pending Partial gradients
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from shardprop.mesh import collectives as C
+from shardprop.tensor.dtensor import DTensor, make_spec
+from shardprop.tensor.placement import Partial, Replicate
+
+_is_compiling = torch.compiler.is_compiling
+
+# (weak param, partial local gradient, group key) recorded in this backward; flushed at its end.
+_pending: list = []
+_queued = False
+
+
+def grad_like(param: torch.Tensor, placements: tuple):
+    """A tensor hook giving ``param`` a gradient laid out as ``placements`` (coalescing Partial -> Replicate).
+
+    Example:
+        >>> p.register_hook(grad_like(p, (Replicate(),)))  # doctest: +SKIP
+    """
+    ref = weakref.ref(param)  # the hook lives on the parameter: no strong cycle
+
+    def hook(grad):
+        if not isinstance(grad, DTensor) or grad.placements == placements:
+            return grad
+        dims = _reduced_dims(grad.placements, placements)
+        p = ref()
+        if dims is not None and p is not None and _deferrable(p):
+            return _defer(p, grad, placements, dims)
+        return grad.redistribute(placements=placements)
+    return hook
+
+
+def _reduced_dims(have: tuple, want: tuple):
+    """Mesh dims where ``have`` is Partial(sum) and ``want`` Replicate, if that is the only difference."""
+    dims = []
+    for i, (h, w) in enumerate(zip(have, want)):
+        if h == w:
+            continue
+        if type(h) is Partial and h.reduce_op == "sum" and type(w) is Replicate:
+            dims.append(i)
+        else:
+            return None
+    return tuple(dims) if dims and len(have) == len(want) else None
+
+
+def _deferrable(p: torch.Tensor) -> bool:
+    if _is_compiling() or torch.is_grad_enabled() or p._post_accumulate_grad_hooks:
+        return False
+    try:  # autograd.grad captures the gradient without running the parameter's accumulator
+        node = torch.autograd.graph.get_gradient_edge(p).node
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
+def _defer(p, grad, placements, dims):
+    global _queued
+    if not _queued:
+        _pending.clear()  # left over only if an earlier backward raised before its end
+        torch.autograd.Variable._execution_engine.queue_callback(_flush)
+        _queued = True
+    local = grad._local_tensor
+    spec = grad._spec
+    _pending.append((weakref.ref(p), local, (spec.mesh, dims, local.dtype, local.device)))
+    zero = torch.zeros_like(local, memory_format=torch.contiguous_format)
+    return DTensor(zero, make_spec(spec.mesh, tuple(placements), spec.shape, None, spec.dtype))
+
+
+def _flush() -> None:
+    """End of backward: one all-reduce per group of pending partial gradients, added into ``.grad``."""
+    global _queued
+    _queued = False
+    pending = list(_pending)
+    _pending.clear()
+    groups: dict = {}
+    for entry in pending:
+        groups.setdefault(entry[2], []).append(entry)
+    for (mesh, dims, _, _), entries in groups.items():
+        locals_ = [e[1] for e in entries]
+        flat = torch.cat([t.reshape(-1) for t in locals_]) if len(locals_) > 1 else \
+            locals_[0].reshape(-1).clone()
+        flat = C.all_reduce(flat, mesh, dims, inplace=True)
+        offset = 0
+        for (ref, local, _) in entries:
+            n = local.numel()
+            p = ref()
+            if p is not None:
+                g = p.grad
+                if not isinstance(g, DTensor):
+                    raise RuntimeError(f"grad_sync: a parameter's gradient is {type(g).__name__} at the end of "
+                                       "backward where a Replicate DTensor was expected (was .grad replaced "
+                                       "during backward?)")
+                g._local_tensor.add_(flat[offset:offset + n].view(local.shape))
+            offset += n
+
+
+__all__ = ["grad_like"]
