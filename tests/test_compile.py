@@ -86,16 +86,22 @@ def _dtensor_nodes(gm):
     return bad
 
 
-def _mlp_cases(with_inductor):
+def _tp_mlp_pair():
+    """A fresh dynamo, a 2-rank mesh, a plain MLP and its Colwise -> Rowwise copy with the same weights."""
     import shardprop as sp
     torch._dynamo.reset()
     mesh = sp.init_device_mesh("cpu", (2,))
-    errors = []
     torch.manual_seed(0)
     ref = _MLP()
     model = _MLP()
     model.load_state_dict(ref.state_dict())
     sp.parallelize_module(model, mesh, {"up": sp.ColwiseParallel(), "down": sp.RowwiseParallel()})
+    return mesh, ref, model
+
+
+def _mlp_cases(with_inductor):
+    mesh, ref, model = _tp_mlp_pair()
+    errors = []
     backend, graphs = _capture()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     x = torch.randn(4, 8)
@@ -373,14 +379,8 @@ def _compiled_optimizer_step():
     """AdamW (foreach=False) step compiled over DTensor parameters (dynamo writes addcmul_ / addcdiv_
     as mul + prims.fma): the parameters after two steps equal plain eager AdamW's on one process."""
     import shardprop as sp
-    torch._dynamo.reset()
-    mesh = sp.init_device_mesh("cpu", (2,))
+    mesh, ref, model = _tp_mlp_pair()
     errors = []
-    torch.manual_seed(0)
-    ref = _MLP()
-    model = _MLP()
-    model.load_state_dict(ref.state_dict())
-    sp.parallelize_module(model, mesh, {"up": sp.ColwiseParallel(), "down": sp.RowwiseParallel()})
     opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01, foreach=False) for m in (model, ref)]
     step = torch.compile(opts[0].step, backend="aot_eager")  # (torch.optim breaks the graph on purpose)
     for i in range(2):
