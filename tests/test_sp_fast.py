@@ -129,6 +129,25 @@ def _cases(mesh_shape):
             model(seq(x)).sum().backward()
             ref(x).sum().backward()
         _check_grads(f"{kind} accumulated", model, ref)
+        if kind == "rmsnorm":
+            # A backward that raises after n2's gradient was deferred, then a whole one: the
+            # second must flush its own deferred gradients (the first's callback never ran).
+            def boom(grad):
+                raise RuntimeError("boom")
+            xin = seq(torch.randn(2, 2 * n, 8)).requires_grad_()
+            xin.register_hook(boom)
+            try:
+                model(xin).sum().backward()
+            except RuntimeError as e:
+                assert "boom" in str(e), e
+            else:
+                raise AssertionError("the backward did not raise")
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            x = torch.randn(2, 2 * n, 8)
+            model(seq(x)).sum().backward()
+            ref(x).sum().backward()
+            _check_grads(f"{kind} after a failed backward", model, ref)
         x = torch.randn(2, 2 * n, 8)
         params = list(model.parameters())
         got = torch.autograd.grad(model(seq(x)).sum(), params)

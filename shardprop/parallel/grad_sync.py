@@ -33,7 +33,7 @@ _is_compiling = torch.compiler.is_compiling
 
 # (weak param, partial local gradient, group key) recorded in this backward; flushed at its end.
 _pending: list = []
-_queued = False
+_queued_task = None  # the graph task (one backward) whose end runs _flush
 
 
 def grad_like(param: torch.Tensor, placements: tuple):
@@ -79,11 +79,14 @@ def _deferrable(p: torch.Tensor) -> bool:
 
 
 def _defer(p, grad, placements, dims):
-    global _queued
-    if not _queued:
-        _pending.clear()  # left over only if an earlier backward raised before its end
+    global _queued_task
+    task = torch._C._current_graph_task_id()
+    if task != _queued_task:
+        # A new backward. Entries left over belong to one that raised before its end (its
+        # callback never ran): drop them, and queue this backward's own flush.
+        _pending.clear()
         torch.autograd.Variable._execution_engine.queue_callback(_flush)
-        _queued = True
+        _queued_task = task
     local = grad._local_tensor
     spec = grad._spec
     _pending.append((weakref.ref(p), local, (spec.mesh, dims, local.dtype, local.device)))
@@ -93,8 +96,8 @@ def _defer(p, grad, placements, dims):
 
 def _flush() -> None:
     """End of backward: one all-reduce per group of pending partial gradients, added into ``.grad``."""
-    global _queued
-    _queued = False
+    global _queued_task
+    _queued_task = None
     pending = list(_pending)
     _pending.clear()
     groups: dict = {}
