@@ -377,27 +377,27 @@ def p2p_group(mesh):
     return entry[0] if entry is not None else None
 
 
-def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tuple[torch.Tensor, int, int]], mesh,
+def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tuple[torch.Tensor, int, int]], group,
               result: torch.Tensor, *, async_op: bool = False, finish=None, finish_shape=None,
               meanwhile=None) -> torch.Tensor:
     """Send and receive pieces point to point, all in one ``batch_isend_irecv``; return ``result``.
 
     ``sends`` and ``recvs`` hold ``(tensor, peer, tag)`` with ``peer`` a global rank and ``tag``
-    the same number on both ends of a message. Receive buffers are written in place (views of
+    the same number on both ends of a message; ``group`` is the process group they travel on
+    (:func:`p2p_group` of a mesh; None: the default group, e.g. between two meshes). Receive buffers are written in place (views of
     ``result`` where the piece is one run of its memory); ``finish`` (e.g. copying pieces
     received elsewhere) runs once every message arrived; ``meanwhile`` (local work that touches no
     buffer of a message) runs right after the messages are posted. Counted as ``send`` and ``recv``.
 
     Example:
         >>> out = torch.empty(4)  # doctest: +SKIP
-        >>> send_recv([(mine, 1, 0)], [(out, 1, 0)], mesh, out)  # ranks 0 and 1 swap  # doctest: +SKIP
+        >>> send_recv([(mine, 1, 0)], [(out, 1, 0)], p2p_group(mesh), out)  # ranks 0 and 1 swap  # doctest: +SKIP
     """
     if _counters:
         for t, _, _ in sends:
             _count("send", t)
         for t, _, _ in recvs:
             _count("recv", t)
-    group = p2p_group(mesh)
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer, tag in recvs]
     work = _AllWork(dist.batch_isend_irecv(ops) if ops else [])

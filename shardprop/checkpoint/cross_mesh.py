@@ -64,24 +64,21 @@ def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
     mine_src = shard_box(shape, src_mesh.shape, src_mesh._coord, src_placements) if in_src else None
     mine_dst = shard_box(shape, dst_mesh.shape, dst_mesh._coord, target) if in_dst else None
     out = torch.empty(mine_dst[1] if in_dst else nothing, dtype=dtype, device=device)
-    ops, received = [], []
+    sends, recvs, received = [], [], []
     for tag, t in enumerate(plan_transfers(shape, src_mesh, src_placements, dst_mesh, target)):
         if t.src == me and t.dst == me:
             narrow(out, relative(t.box, mine_dst)).copy_(narrow(local, relative(t.box, mine_src)))
         elif t.src == me:
-            buf = narrow(local, relative(t.box, mine_src)).contiguous()
-            C._count("send", buf)
-            ops.append(dist.P2POp(dist.isend, buf, t.dst, tag=tag))
+            sends.append((narrow(local, relative(t.box, mine_src)), t.dst, tag))
         elif t.dst == me:
             view = narrow(out, relative(t.box, mine_dst))
             direct = view.is_contiguous()  # receive in place when the piece is one run of memory
             buf = view if direct else torch.empty(t.box[1], dtype=dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=tag))
+            recvs.append((buf, t.src, tag))
             if not direct:
                 received.append((view, buf))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    # The two meshes share no process group: the messages travel on the default one.
+    C.send_recv(sends, recvs, None, out)
     for view, buf in received:
         view.copy_(buf)
     if in_dst and tuple(dst_placements) != target:  # Replicate -> Partial is local

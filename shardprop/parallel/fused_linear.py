@@ -52,7 +52,7 @@ _MESH_DIM = (0,)  # styles run on 1-d meshes
 
 
 # ---------------------------------------------------------------- autograd pieces
-class _LocalOf(torch.autograd.Function):
+class LocalOf(torch.autograd.Function):
     """A DTensor's local tensor; backward wraps the local gradient as a DTensor with ``grad_spec``."""
 
     @staticmethod
@@ -184,9 +184,9 @@ class FusedLinear:
             return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
         xl = self._local_input(x, _R if self.colwise else last)
         w = module.weight
-        w = _LocalOf.apply(w, w._spec)
+        w = LocalOf.apply(w, w._spec)
         if self.colwise:
-            y = F.linear(xl, w, None if b is None else _LocalOf.apply(b, b._spec))
+            y = F.linear(xl, w, None if b is None else LocalOf.apply(b, b._spec))
             return self._output(y, last, out, None)
         return self._output(F.linear(xl, w), _P, out, b)
 
@@ -200,7 +200,7 @@ class FusedLinear:
         if _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return self.hooked(module, x)
         w = module.weight
-        wl = _LocalOf.apply(w, w._spec)
+        wl = LocalOf.apply(w, w._spec)
         ndim = x.ndim + 1
         out = self.placements(self.out_layout, ndim)
         if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
@@ -234,7 +234,7 @@ class FusedLinear:
                 y = _Relayout.apply(y, spec, out, _grad_placements(out), _grad_placements(have))
         if b is not None:  # added once, after the reduction (bias is replicated)
             grad_spec = b._spec if out == _R else b._spec.with_placements(_P)  # a sequence piece's sum is partial
-            y = y + _LocalOf.apply(b, grad_spec)
+            y = y + LocalOf.apply(b, grad_spec)
         if self.use_local:
             return y
         return DTensor.from_local(y, mesh, out, shape=spec.shape)
@@ -266,7 +266,7 @@ class FusedLinear:
             # The gradient of a replicated input of a column-parallel matmul is a partial sum: leave its
             # reduction to whoever made the input (one reduce-scatter for q, k and v together, say).
             spec = x._spec
-            return _LocalOf.apply(x, spec.with_placements(_P) if want is _R else spec)
+            return LocalOf.apply(x, spec.with_placements(_P) if want is _R else spec)
         have = self.placements(self.in_layout, x.ndim)
         if have == want:
             return _CopyIn.apply(x, mesh) if want is _R else x
@@ -313,4 +313,4 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
     return False  # a subclass with its own forward (LoRA, quantized, ...) computes something else
 
 
-__all__ = ["FusedLinear", "install"]
+__all__ = ["FusedLinear", "LocalOf", "install"]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardprop.parallel.fused_linear import _LocalOf
+from shardprop.parallel.fused_linear import LocalOf
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Partial, Shard
 
@@ -65,14 +65,14 @@ class FusedNorm:
             if x._spec.placements != seq:
                 x = x.redistribute(placements=seq)
             shape = x._spec.shape
-            xl = _LocalOf.apply(x, x._spec) if x.requires_grad else x._local_tensor
+            xl = LocalOf.apply(x, x._spec) if x.requires_grad else x._local_tensor
         else:
             xl, shape = x, None
-        wl = None if w is None else _LocalOf.apply(w, w._spec.with_placements(_P))
+        wl = None if w is None else LocalOf.apply(w, w._spec.with_placements(_P))
         if type(module) is nn.RMSNorm:
             y = F.rms_norm(xl, module.normalized_shape, wl, module.eps)
         else:
-            bl = None if b is None else _LocalOf.apply(b, b._spec.with_placements(_P))
+            bl = None if b is None else LocalOf.apply(b, b._spec.with_placements(_P))
             y = F.layer_norm(xl, module.normalized_shape, wl, bl, module.eps)
         if self.use_local:
             return y

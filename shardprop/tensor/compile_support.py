@@ -33,7 +33,15 @@ def allow_in_graph(*fns) -> None:
     def register(dynamo):
         for fn in fns:
             dynamo.allow_in_graph(fn)
-    _when_dynamo_loads(register)
+    when_dynamo_loads(register)
+
+
+def _register_mesh(dynamo) -> None:
+    from torch._library.opaque_object import is_opaque_type, register_opaque_type
+
+    from shardprop.mesh.device_mesh import DeviceMesh
+    if not is_opaque_type(DeviceMesh):
+        register_opaque_type(DeviceMesh, typ="value")
 
 
 def when_dynamo_loads(fn: Callable) -> None:
@@ -45,18 +53,6 @@ def when_dynamo_loads(fn: Callable) -> None:
     Example:
         >>> when_dynamo_loads(lambda dynamo: print("compile is here"))  # doctest: +SKIP
     """
-    _when_dynamo_loads(fn)
-
-
-def _register_mesh(dynamo) -> None:
-    from torch._library.opaque_object import is_opaque_type, register_opaque_type
-
-    from shardprop.mesh.device_mesh import DeviceMesh
-    if not is_opaque_type(DeviceMesh):
-        register_opaque_type(DeviceMesh, typ="value")
-
-
-def _when_dynamo_loads(fn: Callable) -> None:
     module = sys.modules.get(_DYNAMO)
     if module is not None and not _Finder.loading:
         fn(module)
@@ -93,4 +89,4 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_when_dynamo_loads(_register_mesh)
+when_dynamo_loads(_register_mesh)

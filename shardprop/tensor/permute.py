@@ -141,7 +141,7 @@ def run_p2p(local: torch.Tensor, spec, cur, dst, owned: bool, async_op: bool) ->
         for view, buf in scattered:
             view.copy_(buf)
         return res
-    return C.send_recv(sends, recvs, mesh, out, async_op=async_op, finish=finish if scattered else None,
+    return C.send_recv(sends, recvs, C.p2p_group(mesh), out, async_op=async_op, finish=finish if scattered else None,
                        finish_shape=prog.out_shape, meanwhile=keep)
 
 
