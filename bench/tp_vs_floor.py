@@ -4,6 +4,8 @@ Contenders (4 CPU ranks, gloo, one thread each; a 1-d tp=4 mesh), one step = for
 backward + optimizer step:
 
 * ``floor``: Megatron TP written by hand on plain local tensors (``bench/tp_floor.py``);
+* ``floor SP``: the same with sequence parallelism, communicating exactly as ``tp_plan`` does
+  (``megatron_sp_floor``): how much of the titan contenders' time is the plan's communication;
 * ``ours titan`` / ``ref titan``: the demo's ``tp_plan`` (torchtitan style, sequence parallel)
   under shardprop / torch.distributed.tensor;
 * ``ours per-linear``: Colwise on wq/wk/wv/w1/w3/output (``output_layouts=Replicate()``: full
@@ -12,8 +14,9 @@ backward + optimizer step:
 Optimizers SGD and AdamW with ``foreach`` left at torch's default (off for CPU tensors);
 sizes ``demo`` (the model options given) and ``issue`` (dim 256, 8 heads, 2 layers, seq 128,
 batch 8, vocab 1024). Contenders alternate step by step after a warm-up (``time_interleaved``);
-the table shows medians and each one over the floor's median of the same run. Step 0 is the
-correctness check: every contender's loss must equal the floor's.
+the table shows medians and each one over the floor's median of the same run (and the titan
+contenders' over ``floor SP``'s). Step 0 is the correctness check: every contender's loss must
+equal the floor's.
 
 Targets (issue 13): ours titan <= 1.10x floor, ours per-linear <= 1.25x floor, same losses.
 
@@ -35,11 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
 from tp import add_model_args, print_targets, time_interleaved, torch_styles  # noqa: E402
-from tp_floor import megatron_floor  # noqa: E402
+from tp_floor import megatron_floor, megatron_sp_floor  # noqa: E402
 
 WORLD = 4
 LOSS_RTOL = 1e-4
-CONTENDERS = ("floor", "ours titan", "ours per-linear", "ref titan")
+CONTENDERS = ("floor", "floor SP", "ours titan", "ours per-linear", "ref titan")
+SP_RATIO = ("ours titan", "ref titan")  # also shown over floor SP (same communication)
 TARGETS = {"ours titan": 1.10, "ours per-linear": 1.25}
 ISSUE_SIZE = dict(dim=256, layers=2, heads=8, vocab=1024, seq=128, batch=8)
 
@@ -67,6 +71,8 @@ class _Contender:
         self.cfg, self.batch, self.seed = cfg, batch, seed
         if name == "floor":
             model = megatron_floor(cfg, seed)
+        elif name == "floor SP":
+            model = megatron_sp_floor(cfg, seed)
         elif name.startswith("ours"):
             import shardprop
             mesh = shardprop.init_device_mesh("cpu", (WORLD,))
@@ -78,6 +84,7 @@ class _Contender:
             mesh = init_device_mesh("cpu", (WORLD,))
             model = parallelize_module(Llama(cfg, seed), mesh, tp_plan(torch_styles()))
         self.model = model
+        self.sync_grads = getattr(model, "sync_grads", None)
         self.opt = make_optimizer(optim, model.parameters())
 
     def step(self, i):
@@ -86,6 +93,8 @@ class _Contender:
         loss = lm_loss(self.model(tokens), targets)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.sync_grads is not None:
+            self.sync_grads()
         self.opt.step()
         loss = loss.detach()
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
@@ -111,7 +120,9 @@ def bench_ranks(rank, world, args):
             med = {name: statistics.median(s) for name, s in samples.items()}
             out[f"{size} {optim}"] = dict(model=m, median_ms=med, samples_ms=samples, first_loss=losses,
                                           ratio={name: ms / med["floor"] for name, ms in med.items()}
-                                          if "floor" in med else {})
+                                          if "floor" in med else {},
+                                          ratio_sp={name: med[name] / med["floor SP"] for name in SP_RATIO
+                                                    if name in med} if "floor SP" in med else {})
     return out
 
 
@@ -122,7 +133,7 @@ def report(results, args) -> list:
         floor_loss = r["first_loss"].get("floor")
         for name, ms in r["median_ms"].items():
             loss = r["first_loss"][name]
-            rows.append([key, name, ms, r["ratio"].get(name), loss])
+            rows.append([key, name, ms, r["ratio"].get(name), r.get("ratio_sp", {}).get(name), loss])
             if floor_loss is not None and abs(loss - floor_loss) > LOSS_RTOL * abs(floor_loss):
                 misses.append(f"  {key} {name}: first-step loss {loss:.6f} vs the floor's {floor_loss:.6f}")
             target = TARGETS.get(name)
@@ -134,7 +145,7 @@ def report(results, args) -> list:
     for size in args["sizes"]:
         print(f"  {size}: " + ", ".join(f"{k} {v}" for k, v in sizes[size].items()))
     print()
-    print(tabulate(rows, headers=["size optimizer", "contender", "ms/step", "x floor", "first loss"],
+    print(tabulate(rows, headers=["size optimizer", "contender", "ms/step", "x floor", "x floor SP", "first loss"],
                    floatfmt=".3f"))
     return print_targets("ours titan <= 1.10x floor, ours per-linear <= 1.25x floor, same losses", misses)
 
