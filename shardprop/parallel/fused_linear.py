@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.mesh import collectives as C
+from shardprop.parallel.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
@@ -184,9 +185,9 @@ class FusedLinear:
             return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
         xl = self._local_input(x, _R if self.colwise else last)
         w = module.weight
-        w = LocalOf.apply(w, w._spec)
+        w = ParamLocal.apply(w, w._spec)
         if self.colwise:
-            y = F.linear(xl, w, None if b is None else LocalOf.apply(b, b._spec))
+            y = F.linear(xl, w, None if b is None else ParamLocal.apply(b, b._spec))
             return self._output(y, last, out, None)
         return self._output(F.linear(xl, w), _P, out, b)
 
@@ -200,7 +201,7 @@ class FusedLinear:
         if _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return self.hooked(module, x)
         w = module.weight
-        wl = LocalOf.apply(w, w._spec)
+        wl = ParamLocal.apply(w, w._spec)
         ndim = x.ndim + 1
         out = self.placements(self.out_layout, ndim)
         if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
@@ -234,7 +235,7 @@ class FusedLinear:
                 y = _Relayout.apply(y, spec, out, _grad_placements(out), _grad_placements(have))
         if b is not None:  # added once, after the reduction (bias is replicated)
             grad_spec = b._spec if out == _R else b._spec.with_placements(_P)  # a sequence piece's sum is partial
-            y = y + LocalOf.apply(b, grad_spec)
+            y = y + ParamLocal.apply(b, grad_spec)
         if self.use_local:
             return y
         return DTensor.from_local(y, mesh, out, shape=spec.shape)

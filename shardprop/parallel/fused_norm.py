@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.parallel.fused_linear import LocalOf
+from shardprop.parallel.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Partial, Shard
 
@@ -68,11 +69,11 @@ class FusedNorm:
             xl = LocalOf.apply(x, x._spec) if x.requires_grad else x._local_tensor
         else:
             xl, shape = x, None
-        wl = None if w is None else LocalOf.apply(w, w._spec.with_placements(_P))
+        wl = None if w is None else ParamLocal.apply(w, w._spec.with_placements(_P))
         if type(module) is nn.RMSNorm:
             y = F.rms_norm(xl, module.normalized_shape, wl, module.eps)
         else:
-            bl = None if b is None else LocalOf.apply(b, b._spec.with_placements(_P))
+            bl = None if b is None else ParamLocal.apply(b, b._spec.with_placements(_P))
             y = F.layer_norm(xl, module.normalized_shape, wl, bl, module.eps)
         if self.use_local:
             return y

@@ -15,12 +15,21 @@ The per-hook reduction is kept where deferral would be wrong: ``torch.autograd.g
 parameters with post-accumulate-grad hooks (they must see the final gradient), and
 under ``torch.compile``.
 
+The fused styles (``fused_linear``, ``fused_norm``) take a parameter's local tensor through
+:class:`ParamLocal`, which defers one step earlier: its backward records the partial local
+gradient and hands autograd no gradient at all (no zero DTensor, no accumulation of it, no
+hook call), and the end-of-backward sum is written into ``param.grad`` (set, or added to an
+existing gradient). Tensor hooks a user registers on such a parameter do not see that part of
+the gradient (the per-hook path hands them a zero for it); ``param.grad`` after ``backward()``
+is the same.
+
 Example:
     >>> param.register_hook(grad_like(param, param.placements))  # doctest: +SKIP
     >>> loss.backward()  # one all-reduce for all pending Partial gradients
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -78,7 +87,8 @@ def _deferrable(p: torch.Tensor) -> bool:
         return False
 
 
-def _defer(p, grad, placements, dims):
+def _record(ref, local: torch.Tensor, mesh, dims: tuple) -> None:
+    """Add one partial local gradient of the parameter ``ref()`` to this backward's pending reduction."""
     global _queued_task
     task = torch._C._current_graph_task_id()
     if task != _queued_task:
@@ -87,11 +97,66 @@ def _defer(p, grad, placements, dims):
         _pending.clear()
         torch.autograd.Variable._execution_engine.queue_callback(_flush)
         _queued_task = task
+    _pending.append((ref, local, (mesh, dims, local.dtype, local.device)))
+
+
+def _defer(p, grad, placements, dims):
     local = grad._local_tensor
     spec = grad._spec
-    _pending.append((weakref.ref(p), local, (spec.mesh, dims, local.dtype, local.device)))
+    _record(weakref.ref(p), local, spec.mesh, dims)
     zero = torch.zeros_like(local, memory_format=torch.contiguous_format)
     return DTensor(zero, make_spec(spec.mesh, tuple(placements), spec.shape, None, spec.dtype))
+
+
+class ParamLocal(torch.autograd.Function):
+    """A DTensor parameter's local tensor; backward: the local gradient as a DTensor laid out as ``grad_spec``.
+
+    When ``grad_spec`` is a partial sum where the parameter is replicated (a norm weight applied
+    to a sequence piece), the parameter's accumulator runs in this backward, and no
+    create_graph or post-accumulate-grad hook is involved, the local gradient joins the
+    end-of-backward all-reduce instead and autograd gets none (see the module docstring).
+    ``grad_spec`` must describe a gradient of the parameter's shape in contiguous memory order
+    (the fused paths' local gradients come from F.linear, F.embedding and the norms' backward).
+
+    Example:
+        >>> wl = ParamLocal.apply(norm.weight, norm.weight._spec.with_placements((Partial(),)))  # doctest: +SKIP
+    """
+
+    @staticmethod
+    def forward(ctx, param, grad_spec):
+        ctx.grad_spec = _contiguous_spec(grad_spec)
+        dims = _reduced_dims(grad_spec.placements, param._spec.placements)
+        ctx.defer = (weakref.ref(param), dims) if dims is not None else None
+        local = param._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.grad_spec
+        defer = ctx.defer
+        if defer is not None and not torch.is_grad_enabled():
+            p = defer[0]()
+            if p is not None and not p._post_accumulate_grad_hooks and _accumulates(ctx.next_functions[0][0]):
+                _record(defer[0], grad, spec.mesh, defer[1])
+                return None, None
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        return DTensor(grad, spec), None
+
+
+def _accumulates(node) -> bool:
+    """Whether this backward runs the accumulator ``node`` (autograd.grad captures instead, and says so by raising)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_spec(spec):
+    """``spec`` with contiguous strides (itself when they are): specs are interned, so this caches by identity."""
+    twin = make_spec(spec.mesh, spec.placements, spec.shape, None, spec.dtype)
+    return spec if twin.tensor_meta.stride == spec.tensor_meta.stride else twin
 
 
 def _flush() -> None:
@@ -114,6 +179,10 @@ def _flush() -> None:
             p = ref()
             if p is not None:
                 g = p.grad
+                if g is None:  # deferred by ParamLocal, no other gradient: the sum is the gradient
+                    p.grad = DTensor(flat[offset:offset + n].view(local.shape), _contiguous_spec(p._spec))
+                    offset += n
+                    continue
                 if not isinstance(g, DTensor):
                     raise RuntimeError(f"grad_sync: a parameter's gradient is {type(g).__name__} at the end of "
                                        "backward where a Replicate DTensor was expected (was .grad replaced "
@@ -122,4 +191,4 @@ def _flush() -> None:
             offset += n
 
 
-__all__ = ["grad_like"]
+__all__ = ["ParamLocal", "grad_like"]
