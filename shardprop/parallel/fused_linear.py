@@ -41,10 +41,10 @@ from torch import nn
 
 from shardprop.mesh import collectives as C
 from shardprop.parallel.grad_sync import ParamLocal
+from shardprop.parallel.relayout import redistribute, relayout_or_plan
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
-from shardprop.tensor.redistribute import redistribute_local
 
 _is_compiling = torch.compiler.is_compiling
 _R = (Replicate(),)
@@ -123,13 +123,13 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, dst, grad_src, grad_dst):
         ctx.grad_spec, ctx.grad_dst = spec.with_placements(grad_src), grad_dst
-        out = redistribute_local(x, spec, dst)
+        out = relayout_or_plan(x, spec, dst)
         return out.view_as(out) if out is x else out
 
     @staticmethod
     def backward(ctx, grad):
         _forget_input()
-        return redistribute_local(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
+        return relayout_or_plan(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
 
 
 def _spec_of_local(local: torch.Tensor, mesh, placements):
@@ -263,7 +263,7 @@ class FusedLinear:
                 raise ValueError(f"{self.what}: the input DTensor lives on {x._spec.mesh}, the layer's weight on "
                                  f"{mesh}; redistribute it onto the layer's mesh first")
             if x._spec.placements != want:
-                x = x.redistribute(placements=want)
+                x = redistribute(x, want)
             # The gradient of a replicated input of a column-parallel matmul is a partial sum: leave its
             # reduction to whoever made the input (one reduce-scatter for q, k and v together, say).
             spec = x._spec

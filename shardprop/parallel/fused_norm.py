@@ -25,6 +25,7 @@ from torch import nn
 
 from shardprop.parallel.fused_linear import LocalOf
 from shardprop.parallel.grad_sync import ParamLocal
+from shardprop.parallel.relayout import redistribute
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Partial, Shard
 
@@ -64,7 +65,7 @@ class FusedNorm:
             if x._spec.mesh != mesh:
                 return self.hooked(module, x)
             if x._spec.placements != seq:
-                x = x.redistribute(placements=seq)
+                x = redistribute(x, seq)
             shape = x._spec.shape
             xl = LocalOf.apply(x, x._spec) if x.requires_grad else x._local_tensor
         else:

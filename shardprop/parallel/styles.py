@@ -32,6 +32,7 @@ from torch import nn
 from shardprop.parallel.fused_linear import install
 from shardprop.parallel.fused_norm import install_norm
 from shardprop.parallel.grad_sync import grad_like
+from shardprop.parallel.relayout import redistribute
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
 
@@ -70,8 +71,10 @@ def to_dtensor(x, mesh, layout: Placement, desired: Optional[Placement]):
         want = _placements_of(desired, x.ndim)
         # Under torch.compile the layout is not read here (the graph cannot hold placements):
         # redistributing to the same layout is free.
-        if _is_compiling() or x.placements != want:
+        if _is_compiling():
             x = x.redistribute(placements=want)
+        elif x.placements != want:
+            x = redistribute(x, want)
     return x
 
 
