@@ -76,6 +76,28 @@ class LocalOf(torch.autograd.Function):
         return DTensor(grad, spec), None
 
 
+class WrapLocal(torch.autograd.Function):
+    """A local tensor as the DTensor of ``spec`` (``from_local`` with the spec given); backward: the local gradient.
+
+    ``spec`` must describe ``local`` (its shape on this rank and memory order); a DTensor gradient in
+    another layout is brought to ``spec``'s placements first (none of them Partial).
+    """
+
+    @staticmethod
+    def forward(ctx, local, spec):
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return grad, None
+        want = ctx.spec.placements
+        if grad._spec.placements != want:
+            return relayout_or_plan(grad._local_tensor, grad._spec, want), None
+        return grad._local_tensor, None
+
+
 @functools.lru_cache(maxsize=4096)
 def _contiguous_twin(spec):
     """``spec`` with contiguous strides (itself when they are): specs are interned, so this caches by identity."""
@@ -314,4 +336,4 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
     return False  # a subclass with its own forward (LoRA, quantized, ...) computes something else
 
 
-__all__ = ["FusedLinear", "LocalOf", "install"]
+__all__ = ["FusedLinear", "LocalOf", "WrapLocal", "install"]

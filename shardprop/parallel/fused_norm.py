@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardprop.parallel.fused_linear import LocalOf
+from shardprop.parallel.fused_linear import LocalOf, WrapLocal
 from shardprop.parallel.grad_sync import ParamLocal
 from shardprop.parallel.relayout import redistribute
-from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Shard
 
 _is_compiling = torch.compiler.is_compiling
@@ -43,6 +43,7 @@ class FusedNorm:
     def __init__(self, mesh, sequence_dim: int, use_local_output: bool, hooked):
         self.mesh, self.sequence_dim, self.use_local, self.hooked = mesh, sequence_dim, use_local_output, hooked
         self._seq = {}
+        self._out_spec = {}  # (global shape, dtype) -> the output's Shard(seq) spec (contiguous)
 
     def __deepcopy__(self, memo):
         return self  # immutable after construction; the mesh is shared, as DTensors share it
@@ -81,7 +82,15 @@ class FusedNorm:
         if shape is None:  # a plain input is this rank's even piece of the sequence
             shape = list(y.shape)
             shape[seq[0].dim] *= mesh.size()
-        return DTensor.from_local(y, mesh, seq, shape=tuple(shape))
+        if not y.is_contiguous():
+            return DTensor.from_local(y, mesh, seq, shape=tuple(shape))
+        key = (tuple(shape), y.dtype)
+        spec = self._out_spec.get(key)
+        if spec is None:
+            if len(self._out_spec) >= 256:  # many shapes (varying sequence lengths): keep it bounded
+                self._out_spec.clear()
+            spec = self._out_spec[key] = make_spec(mesh, seq, shape, None, y.dtype)
+        return WrapLocal.apply(y, spec)
 
 
 def install_norm(module: nn.Module, mesh, sequence_dim: int, use_local_output: bool, hooked) -> bool:
