@@ -288,3 +288,51 @@ def _compiled_fallback():
 
 def test_compiled_styled_linear_has_no_graph_break():
     assert run_on_ranks(2, _compiled_fallback) == [True, True]
+
+
+def _param_grad_handover():
+    """Styled parameters' gradients: hooks still run, backward(inputs=...) and accumulation as autograd does."""
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    ref = MLP()
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel(output_layouts=Shard(1))}
+    model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    seq = lambda t: local_chunk(t, mesh, [Shard(1)])  # noqa: E731
+    x = torch.randn(2, 4, 8)
+    g = torch.randn(2, 4, 8)
+
+    def backward(**kw):
+        (model(x) * seq(g)).sum().backward(**kw)
+        (ref(x) * g).sum().backward(**kw)
+
+    # A user's tensor hook on a weight and a post-accumulate hook on a bias: both see the gradient.
+    seen = {}
+
+    def hook(t):
+        seen["hook"] = t.full_tensor()
+
+    def post(p):
+        seen["post"] = p.grad.full_tensor()
+    model.up.weight.register_hook(hook)
+    model.down.bias.register_post_accumulate_grad_hook(post)
+    backward()
+    torch.testing.assert_close(seen["hook"], ref.up.weight.grad, **TOL)
+    torch.testing.assert_close(seen["post"], ref.down.bias.grad, **TOL)
+    # Accumulation into existing gradients (the second backward adds).
+    backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad.placements == p.placements, (name, p.grad.placements)
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, **TOL, msg=lambda m: f"accumulated {name}: {m}")
+    # backward(inputs=...): only the named parameters get gradients.
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    (model(x) * seq(g)).sum().backward(inputs=[model.down.weight, model.down.bias])
+    (ref(x) * g).sum().backward(inputs=[ref.down.weight, ref.down.bias])
+    assert model.up.weight.grad is None and model.up.bias.grad is None
+    torch.testing.assert_close(model.down.weight.grad.full_tensor(), ref.down.weight.grad, **TOL)
+    torch.testing.assert_close(model.down.bias.grad.full_tensor(), ref.down.bias.grad, **TOL)
+    return True
+
+
+def test_param_gradient_handover():
+    assert run_on_ranks(2, _param_grad_handover) == [True, True]

@@ -111,12 +111,15 @@ def _defer(p, grad, placements, dims):
 class ParamLocal(torch.autograd.Function):
     """A DTensor parameter's local tensor; backward: the local gradient as a DTensor laid out as ``grad_spec``.
 
-    When ``grad_spec`` is a partial sum where the parameter is replicated (a norm weight applied
-    to a sequence piece), the parameter's accumulator runs in this backward, and no
-    create_graph or post-accumulate-grad hook is involved, the local gradient joins the
-    end-of-backward all-reduce instead and autograd gets none (see the module docstring).
-    ``grad_spec`` must describe a gradient of the parameter's shape in contiguous memory order
-    (the fused paths' local gradients come from F.linear, F.embedding and the norms' backward).
+    When the parameter's accumulator runs in this backward (not ``torch.autograd.grad``), with no
+    create_graph, no post-accumulate-grad hook and no tensor hook but ``grad_like``'s, the
+    backward accumulates itself and hands autograd no gradient: a partial sum where the
+    parameter is replicated (a norm weight applied to a sequence piece) joins the
+    end-of-backward all-reduce (see the module docstring); a gradient laid out like the
+    parameter becomes ``param.grad`` (or is added to it), as autograd's accumulator would do,
+    without a DTensor ``detach``/``add_`` dispatch. Otherwise the DTensor gradient goes to
+    autograd as usual. ``grad_spec`` is taken with contiguous strides (the local gradient is made
+    contiguous if it is not).
 
     Example:
         >>> wl = ParamLocal.apply(norm.weight, norm.weight._spec.with_placements((Partial(),)))  # doctest: +SKIP
@@ -124,24 +127,41 @@ class ParamLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, param, grad_spec):
-        ctx.grad_spec = _contiguous_spec(grad_spec)
-        dims = _reduced_dims(grad_spec.placements, param._spec.placements)
-        ctx.defer = (weakref.ref(param), dims) if dims is not None else None
+        ctx.grad_spec = grad_spec = _contiguous_spec(grad_spec)
+        ctx.param = weakref.ref(param)
+        placements = param._spec.placements
+        ctx.dims = None if grad_spec.placements == placements else _reduced_dims(grad_spec.placements, placements)
         local = param._local_tensor
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.grad_spec
-        defer = ctx.defer
-        if defer is not None and not torch.is_grad_enabled():
-            p = defer[0]()
-            if p is not None and not p._post_accumulate_grad_hooks and _accumulates(ctx.next_functions[0][0]):
-                _record(defer[0], grad, spec.mesh, defer[1])
-                return None, None
         if not grad.is_contiguous():
             grad = grad.contiguous()
+        if not torch.is_grad_enabled():
+            p = ctx.param()
+            if p is not None and not p._post_accumulate_grad_hooks and _accumulates(ctx.next_functions[0][0]):
+                dims = ctx.dims
+                if dims is not None:
+                    _record(ctx.param, grad, spec.mesh, dims)
+                    return None, None
+                if spec.placements == p._spec.placements and len(p._backward_hooks or ()) <= 1 \
+                        and _accumulate(p, grad, spec):
+                    return None, None
         return DTensor(grad, spec), None
+
+
+def _accumulate(p, grad: torch.Tensor, spec) -> bool:
+    """Set or add ``grad`` (local, laid out as ``spec``, like ``p``) into ``p.grad``; False to leave it to autograd."""
+    g = p.grad
+    if g is None:
+        p.grad = DTensor(grad, spec)
+        return True
+    if type(g) is DTensor and g._spec.placements == spec.placements and g._local_tensor.shape == grad.shape:
+        g._local_tensor.add_(grad)
+        return True
+    return False
 
 
 def _accumulates(node) -> bool:
