@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.mesh import collectives as C
+from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.grad_sync import ParamLocal
 from shardprop.parallel.relayout import redistribute, relayout_or_plan
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
@@ -167,6 +168,13 @@ def _grad_placements(placements) -> tuple:
     return _R if type(placements[0]) is Partial else placements
 
 
+_param_local = direct_apply(ParamLocal)
+_local_of = direct_apply(LocalOf)
+_copy_in = direct_apply(_CopyIn)
+_reduce_out = direct_apply(_ReduceOut)
+_relayout = direct_apply(_Relayout)
+
+
 # ---------------------------------------------------------------- the forward
 class FusedLinear:
     """What a styled Linear's (or Embedding's) forward needs: mesh, layouts, column- or row-parallel.
@@ -207,9 +215,9 @@ class FusedLinear:
             return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
         xl = self._local_input(x, _R if self.colwise else last)
         w = module.weight
-        w = ParamLocal.apply(w, w._spec)
+        w = _param_local(w, w._spec)
         if self.colwise:
-            y = F.linear(xl, w, None if b is None else ParamLocal.apply(b, b._spec))
+            y = F.linear(xl, w, None if b is None else _param_local(b, b._spec))
             return self._output(y, last, out, None)
         return self._output(F.linear(xl, w), _P, out, b)
 
@@ -223,7 +231,7 @@ class FusedLinear:
         if _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return self.hooked(module, x)
         w = module.weight
-        wl = ParamLocal.apply(w, w._spec)
+        wl = _param_local(w, w._spec)
         ndim = x.ndim + 1
         out = self.placements(self.out_layout, ndim)
         if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
@@ -252,12 +260,12 @@ class FusedLinear:
             make_spec(mesh, have, y.shape, None, y.dtype) if have is _P else _spec_of_local(y, mesh, have)
         if out != have:
             if have is _P and out == _R and y.is_contiguous():
-                y = _ReduceOut.apply(y, mesh)
+                y = _reduce_out(y, mesh)
             else:
-                y = _Relayout.apply(y, spec, out, _grad_placements(out), _grad_placements(have))
+                y = _relayout(y, spec, out, _grad_placements(out), _grad_placements(have))
         if b is not None:  # added once, after the reduction (bias is replicated)
             grad_spec = b._spec if out == _R else b._spec.with_placements(_P)  # a sequence piece's sum is partial
-            y = y + ParamLocal.apply(b, grad_spec)
+            y = y + _param_local(b, grad_spec)
         if self.use_local:
             return y
         return DTensor.from_local(y, mesh, out, shape=spec.shape)
@@ -289,12 +297,12 @@ class FusedLinear:
             # The gradient of a replicated input of a column-parallel matmul is a partial sum: leave its
             # reduction to whoever made the input (one reduce-scatter for q, k and v together, say).
             spec = x._spec
-            return LocalOf.apply(x, spec.with_placements(_P) if want is _R else spec)
+            return _local_of(x, spec.with_placements(_P) if want is _R else spec)
         have = self.placements(self.in_layout, x.ndim)
         if have == want:
-            return _CopyIn.apply(x, mesh) if want is _R else x
+            return _copy_in(x, mesh) if want is _R else x
         grad_want = _P if want is _R else want
-        return _Relayout.apply(x, _spec_of_local(x, mesh, have), want, grad_want, _grad_placements(have))
+        return _relayout(x, _spec_of_local(x, mesh, have), want, grad_want, _grad_placements(have))
 
 
 # The last replicated local input made with autograd recording: (input, its version, mesh, declared

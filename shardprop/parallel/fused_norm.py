@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.parallel.fused_linear import LocalOf, WrapLocal
+from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.grad_sync import ParamLocal
 from shardprop.parallel.relayout import redistribute
 from shardprop.tensor.dtensor import DTensor, make_spec
@@ -32,6 +33,9 @@ from shardprop.tensor.placement import Partial, Shard
 _is_compiling = torch.compiler.is_compiling
 _P = (Partial(),)
 _KNOWN = (nn.LayerNorm, nn.RMSNorm)
+_param_local = direct_apply(ParamLocal)
+_local_of = direct_apply(LocalOf)
+_wrap_local = direct_apply(WrapLocal)
 
 
 class FusedNorm:
@@ -68,14 +72,14 @@ class FusedNorm:
             if x._spec.placements != seq:
                 x = redistribute(x, seq)
             shape = x._spec.shape
-            xl = LocalOf.apply(x, x._spec) if x.requires_grad else x._local_tensor
+            xl = _local_of(x, x._spec) if x.requires_grad else x._local_tensor
         else:
             xl, shape = x, None
-        wl = None if w is None else ParamLocal.apply(w, w._spec.with_placements(_P))
+        wl = None if w is None else _param_local(w, w._spec.with_placements(_P))
         if type(module) is nn.RMSNorm:
             y = F.rms_norm(xl, module.normalized_shape, wl, module.eps)
         else:
-            bl = None if b is None else ParamLocal.apply(b, b._spec.with_placements(_P))
+            bl = None if b is None else _param_local(b, b._spec.with_placements(_P))
             y = F.layer_norm(xl, module.normalized_shape, wl, bl, module.eps)
         if self.use_local:
             return y
@@ -90,7 +94,7 @@ class FusedNorm:
             if len(self._out_spec) >= 256:  # many shapes (varying sequence lengths): keep it bounded
                 self._out_spec.clear()
             spec = self._out_spec[key] = make_spec(mesh, seq, shape, None, y.dtype)
-        return WrapLocal.apply(y, spec)
+        return _wrap_local(y, spec)
 
 
 def install_norm(module: nn.Module, mesh, sequence_dim: int, use_local_output: bool, hooked) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from shardprop.mesh import buffer_pool
 from shardprop.mesh import collectives as C
+from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Partial, Replicate, Shard
 from shardprop.tensor.redistribute import redistribute_local
@@ -146,6 +147,9 @@ class _Redistribute(torch.autograd.Function):
         return grad, None
 
 
+_redistribute = direct_apply(_Redistribute)
+
+
 def redistribute(x: DTensor, dst: tuple) -> DTensor:
     """``x.redistribute(placements=dst)`` (normalized placements), directly for the covered transitions.
 
@@ -158,7 +162,7 @@ def redistribute(x: DTensor, dst: tuple) -> DTensor:
             or type(src.placements[0]) is not Shard:
         return x.redistribute(placements=dst)
     if x.requires_grad and torch.is_grad_enabled():
-        return _Redistribute.apply(x, dst)
+        return _redistribute(x, dst)
     return DTensor(relayout(x._local_tensor, src, dst), src.with_placements(dst), requires_grad=False)
 
 
