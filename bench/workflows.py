@@ -153,6 +153,16 @@ def save_load_state_dict(eng):
     _close(fresh(batch()), ref(batch()), "loaded model's output")
 
 
+def save_load_whole_model(eng):
+    """torch.save(model) of the whole parallelized module (its hooks included); torch.load(weights_only=False)."""
+    ref, model, _ = parallel_mlp(eng)
+    f = io.BytesIO()
+    torch.save(model, f)
+    f.seek(0)
+    loaded = torch.load(f, weights_only=False)
+    _close(loaded(batch()), ref(batch()), "loaded model's output")
+
+
 def pickle_dtensor(eng):
     mesh = eng.init_device_mesh("cpu", (WORLD,))
     full = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
@@ -282,6 +292,7 @@ WORKFLOWS = {
     "greedy generate() under inference_mode (TP Llama)": generate_llama_inference_mode,
     "copy.deepcopy(model)": deepcopy_module,
     "torch.save/load(model.state_dict()), weights_only default": save_load_state_dict,
+    "torch.save/load(model), the whole module": save_load_whole_model,
     "pickle of a DTensor": pickle_dtensor,
     "check_sharding_rule, unseeded per-rank samples": check_rule_unseeded,
     "dcp.save / dcp.load, same layout": dcp_same_layout,

@@ -36,23 +36,48 @@ _pending: list = []
 _queued_task = None  # the graph task (one backward) whose end runs _flush
 
 
-def grad_like(param: torch.Tensor, placements: tuple):
+class GradLike:
     """A tensor hook giving ``param`` a gradient laid out as ``placements`` (coalescing Partial -> Replicate).
+
+    It pickles as its placements alone; ``rebind(tensor)`` gives the same hook for another
+    tensor, which DTensor pickling and ``copy.deepcopy`` use to re-register it on the copy
+    (torch drops tensor hooks there), so a saved and loaded model keeps its gradient layouts.
+
+    Example:
+        >>> p.register_hook(GradLike(p, (Replicate(),)))  # doctest: +SKIP
+    """
+
+    __slots__ = ("placements", "_ref")
+
+    def __init__(self, param, placements: tuple):
+        self.placements = tuple(placements)
+        self._ref = weakref.ref(param) if param is not None else None  # the hook lives on it: no cycle
+
+    def rebind(self, tensor: torch.Tensor) -> "GradLike":
+        """The same hook for ``tensor`` (a copy of the parameter)."""
+        return GradLike(tensor, self.placements)
+
+    def __reduce__(self):
+        return (GradLike, (None, self.placements))
+
+    def __call__(self, grad):
+        placements = self.placements
+        if not isinstance(grad, DTensor) or grad.placements == placements:
+            return grad
+        dims = _reduced_dims(grad.placements, placements)
+        p = self._ref() if self._ref is not None else None
+        if dims is not None and p is not None and _deferrable(p):
+            return _defer(p, grad, placements, dims)
+        return grad.redistribute(placements=placements)
+
+
+def grad_like(param: torch.Tensor, placements: tuple) -> GradLike:
+    """A tensor hook giving ``param`` a gradient laid out as ``placements`` (see :class:`GradLike`).
 
     Example:
         >>> p.register_hook(grad_like(p, (Replicate(),)))  # doctest: +SKIP
     """
-    ref = weakref.ref(param)  # the hook lives on the parameter: no strong cycle
-
-    def hook(grad):
-        if not isinstance(grad, DTensor) or grad.placements == placements:
-            return grad
-        dims = _reduced_dims(grad.placements, placements)
-        p = ref()
-        if dims is not None and p is not None and _deferrable(p):
-            return _defer(p, grad, placements, dims)
-        return grad.redistribute(placements=placements)
-    return hook
+    return GradLike(param, placements)
 
 
 def _reduced_dims(have: tuple, want: tuple):
@@ -122,4 +147,7 @@ def _flush() -> None:
             offset += n
 
 
-__all__ = ["grad_like"]
+# A pickled DTensor parameter carries its GradLike hook; torch.load's weights_only unpickler may rebuild it.
+torch.serialization.add_safe_globals([GradLike])
+
+__all__ = ["GradLike", "grad_like"]
