@@ -32,6 +32,7 @@ from torch import nn
 from shardprop.parallel.fused_linear import install
 from shardprop.parallel.fused_norm import install_norm
 from shardprop.parallel.grad_sync import grad_like
+from shardprop.parallel.param_swap import keep_hooks_on_swap
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
 
@@ -105,6 +106,7 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
         param = nn.Parameter(dt, requires_grad=p.requires_grad)
         if p.requires_grad:
             param.register_hook(grad_like(param, param.placements))
+            keep_hooks_on_swap(module)  # model.to(dtype) swaps DTensor parameters in place
         module.register_parameter(name, param)
 
 
