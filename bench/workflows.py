@@ -153,6 +153,41 @@ def save_load_state_dict(eng):
     _close(fresh(batch()), ref(batch()), "loaded model's output")
 
 
+def save_load_whole_model(eng):
+    """torch.save(model) of the whole parallelized module (its hooks included); torch.load(weights_only=False)."""
+    ref, model, _ = parallel_mlp(eng)
+    f = io.BytesIO()
+    torch.save(model, f)
+    f.seek(0)
+    loaded = torch.load(f, weights_only=False)
+    _close(loaded(batch()), ref(batch()), "loaded model's output")
+
+
+def to_bfloat16(eng):
+    """model.to(torch.bfloat16) on the parallelized model, then a forward (bf16 inference)."""
+    ref, model, _ = parallel_mlp(eng)
+    model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    out, want = model(batch().bfloat16()), ref(batch().bfloat16())
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    if out.dtype != torch.bfloat16 or not torch.allclose(out.float(), want.float(), atol=3e-2, rtol=3e-2):
+        raise AssertionError(f"bf16 output ({out.dtype}) differs from single-process torch")
+
+
+def meta_init(eng):
+    """Deferred init (torchtitan): build on meta, parallelize, to_empty(device="cpu"), fill from full weights."""
+    ref = mlp()
+    with torch.device("meta"):
+        model = mlp()
+    mesh = eng.init_device_mesh("cpu", (WORLD,))
+    model = eng.parallelize_module(model, mesh, {"0": eng.ColwiseParallel(), "2": eng.RowwiseParallel()})
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.copy_(eng.distribute_tensor(q.detach(), p.device_mesh, p.placements))
+    _close(model(batch()), ref(batch()), "output")
+
+
 def pickle_dtensor(eng):
     mesh = eng.init_device_mesh("cpu", (WORLD,))
     full = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
@@ -282,6 +317,9 @@ WORKFLOWS = {
     "greedy generate() under inference_mode (TP Llama)": generate_llama_inference_mode,
     "copy.deepcopy(model)": deepcopy_module,
     "torch.save/load(model.state_dict()), weights_only default": save_load_state_dict,
+    "torch.save/load(model), the whole module": save_load_whole_model,
+    "model.to(torch.bfloat16), forward": to_bfloat16,
+    "meta-device init, to_empty, fill from full weights": meta_init,
     "pickle of a DTensor": pickle_dtensor,
     "check_sharding_rule, unseeded per-rank samples": check_rule_unseeded,
     "dcp.save / dcp.load, same layout": dcp_same_layout,

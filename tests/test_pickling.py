@@ -8,6 +8,10 @@
   here, or a process without torch.distributed, gives an error naming it;
 * ``copy.deepcopy`` of a parallelized module: independent parameters, same outputs;
   ``torch.save(model.state_dict())`` loads (weights_only) into a fresh parallelized model;
+* ``torch.save(model)`` of a whole parallelized module (the demo Llama under its sequence-parallel
+  plan: hooks, fused forwards) and ``copy.deepcopy`` of it: the copy trains one step exactly like
+  single-process torch, and its replicated parameters keep their gradient layout (the
+  ``GradLike`` hooks follow the parameters);
 * ``weights_only`` still refuses any other class, and only our value types are allowlisted.
 """
 import copy
@@ -261,9 +265,54 @@ def test_weights_only_still_refuses_other_classes():
 def test_only_our_value_types_are_allowlisted():
     import shardprop
     from shardprop.checkpoint import pickling
+    from shardprop.parallel.grad_sync import GradLike
     ours = [g for g in torch.serialization.get_safe_globals()
             if getattr(g, "__module__", "").startswith("shardprop")]
     expected = {shardprop.DTensor, shardprop.DTensorSpec, shardprop.TensorMeta, shardprop.Shard,
                 shardprop.Replicate, shardprop.Partial, shardprop.DeviceMesh}
-    assert set(ours) == expected == set(pickling.SAFE_GLOBALS), ours
+    assert expected == set(pickling.SAFE_GLOBALS)
+    # A parameter's gradient-layout hook pickles with it; it holds placements only.
+    assert set(ours) == expected | {GradLike}, ours
     assert all(isinstance(g, type) for g in ours), "only classes, no functions"
+
+
+def _whole_model_copy(how: str):
+    """The demo Llama under tp_plan copied by ``how``; the copy trains one SGD step. Problems found."""
+    import shardprop as sp
+    from shardprop.demo.model import Llama, LlamaConfig, lm_loss, synthetic_batch, tp_plan
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, seq_len=8)
+    mesh = sp.init_device_mesh("cpu", (2,))
+    model = sp.parallelize_module(Llama(cfg, 0), mesh, tp_plan())
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        f = io.BytesIO()
+        torch.save(model, f)
+        f.seek(0)
+        twin = torch.load(f, weights_only=False)
+    ref = Llama(cfg, 0)
+    tokens, targets = synthetic_batch(cfg, 2, 0)
+    problems = []
+    for m in (twin, ref):
+        loss = lm_loss(m(tokens), targets)
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.sub_(0.5 * p.grad)
+    norm_grad = twin.layers[0].attention_norm.weight.grad
+    if norm_grad.placements != (sp.Replicate(),):
+        problems.append(f"copied norm weight's gradient is {norm_grad.placements}, expected [Replicate()]")
+    for (name, p), q in zip(twin.named_parameters(), ref.parameters()):
+        if not torch.allclose(p.full_tensor(), q, atol=1e-5, rtol=1e-4):
+            problems.append(f"{name} after one step differs from one process")
+    untouched = Llama(cfg, 0)
+    for (name, p), q in zip(model.named_parameters(), untouched.parameters()):
+        if p.grad is not None or not torch.equal(p.full_tensor(), q):
+            problems.append(f"original's {name} changed by training the copy")
+    return problems
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_whole_parallelized_model_copies_and_trains(how):
+    for problems in run_on_ranks(2, _whole_model_copy, how):
+        assert not problems, problems

@@ -35,7 +35,24 @@ from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 # Exactly the types a pickled DTensor holds besides what torch allows already.
 SAFE_GLOBALS = [DTensor, DTensorSpec, TensorMeta, Shard, Replicate, Partial, DeviceMesh]
-_STATE_KEYS = ("_local_tensor", "_spec", "_is_param")
+_STATE_KEYS = ("_local_tensor", "_spec", "_is_param", "_grad_hooks")
+
+
+def _rebindable_hooks(t: torch.Tensor) -> tuple:
+    """The tensor's gradient hooks that can follow it into a copy: those with ``rebind(tensor)``.
+
+    torch drops tensor hooks when it pickles or copies a parameter; a parallel style's hook
+    (``shardprop.parallel.grad_sync.GradLike``) lays the gradient out like the parameter, so a
+    copy without it would train on the wrong gradient layout. Closures stay dropped, as in torch.
+    """
+    hooks = getattr(t, "_backward_hooks", None)
+    return tuple(h for h in hooks.values() if callable(getattr(h, "rebind", None))) if hooks else ()
+
+
+def _register_hooks(t: torch.Tensor, hooks) -> None:
+    if t.requires_grad:
+        for h in hooks:
+            t.register_hook(h.rebind(t))
 
 
 def _reduce_ex(self: DTensor, proto):
@@ -46,6 +63,9 @@ def _reduce_ex(self: DTensor, proto):
     state = {"_local_tensor": local.detach(), "_spec": self._spec}  # requires_grad lives on the wrapper
     if getattr(self, "_is_param", False):  # nn.Parameter(dtensor) is a DTensor marked as a parameter
         state["_is_param"] = True
+    hooks = _rebindable_hooks(self)
+    if hooks:
+        state["_grad_hooks"] = hooks
     wrapper = (type(self), self.dtype, tuple(self.shape), self.stride(), 0, self.layout, local.device,
                self.requires_grad)
     return (torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_wrapper_subclass, type(self), wrapper, state))
@@ -78,6 +98,10 @@ def _setstate(self: DTensor, state) -> None:
     self._spec = DTensorSpec(mesh, placements, TensorMeta(torch.Size(meta.shape), tuple(meta.stride), meta.dtype))
     if state.get("_is_param"):
         self._is_param = True
+    hooks = state.get("_grad_hooks", ())
+    if type(hooks) is not tuple or not all(callable(getattr(h, "rebind", None)) for h in hooks):
+        raise ValueError(f"DTensor: malformed pickled gradient hooks {hooks!r}")
+    _register_hooks(self, hooks)
 
 
 def _checked_placements(placements, ndim: int, mesh_ndim: int) -> tuple:
@@ -112,6 +136,7 @@ def _deepcopy(self: DTensor, memo) -> DTensor:
     new = DTensor(local, self._spec, requires_grad=self.requires_grad)
     if getattr(self, "_is_param", False):
         new._is_param = True
+    _register_hooks(new, _rebindable_hooks(self))
     if self.grad is not None:
         new.grad = copy.deepcopy(self.grad, memo)
     memo[id(self)] = new

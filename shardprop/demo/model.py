@@ -69,7 +69,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     s = x.shape[1]
-    return x * cos[:s, None, :] + rotated * sin[:s, None, :]
+    # The tables are float32 buffers: cast them, so bf16 activations (mixed precision) stay bf16.
+    cos, sin = cos[:s, None, :].to(x.dtype), sin[:s, None, :].to(x.dtype)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -99,7 +101,8 @@ class Attention(nn.Module):
         q = apply_rope(q, self.rope_cos, self.rope_sin).transpose(1, 2)
         k = apply_rope(k, self.rope_cos, self.rope_sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + self.causal_mask[:s, :s]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        scores = scores + self.causal_mask[:s, :s].to(scores.dtype)
         y = torch.softmax(scores, dim=-1) @ v
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 

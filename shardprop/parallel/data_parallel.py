@@ -37,6 +37,7 @@ import torch
 
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
+from shardprop.parallel.param_swap import keep_hooks_on_swap
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Partial, Replicate
@@ -305,6 +306,7 @@ def replicate_gradients(module_or_params, mesh, dim: Union[int, str, None] = Non
     """
     if isinstance(module_or_params, torch.nn.Module):
         named = [(n, p) for n, p in module_or_params.named_parameters() if p.requires_grad]
+        keep_hooks_on_swap(module_or_params)  # its post-accumulate hooks survive model.to(dtype)
     else:
         named = [(f"#{i}", p) for i, p in enumerate(module_or_params) if p.requires_grad]
     if not named:

@@ -194,6 +194,9 @@ class FusedLinear:
     def __deepcopy__(self, memo):
         return self  # immutable after construction; the mesh is shared, as DTensors share it
 
+    def __getstate__(self):
+        return {**vars(self), "_norm": {}, "_rows_of": {}}  # caches are rebuilt on use
+
     def placements(self, layout, ndim: int) -> tuple:
         """``layout`` as a normalized 1-tuple for a tensor of ``ndim`` dims (Shard(-1) -> Shard(ndim-1)), cached."""
         key = (layout, ndim)

@@ -52,6 +52,9 @@ class FusedNorm:
     def __deepcopy__(self, memo):
         return self  # immutable after construction; the mesh is shared, as DTensors share it
 
+    def __getstate__(self):
+        return {**vars(self), "_seq": {}}  # the cache is rebuilt on use
+
     def forward(self, module, input):  # noqa: A002 (the norms' forward argument name)
         """The norm on this rank's sequence piece; a Shard(seq) DTensor out (local with use_local_output)."""
         x = input

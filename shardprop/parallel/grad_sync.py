@@ -45,23 +45,62 @@ _pending: list = []
 _queued_task = None  # the graph task (one backward) whose end runs _flush
 
 
-def grad_like(param: torch.Tensor, placements: tuple):
-    """A tensor hook giving ``param`` a gradient laid out as ``placements`` (coalescing Partial -> Replicate).
+class GradLike:
+    """A tensor hook giving a parameter a gradient laid out as ``placements`` (coalescing Partial -> Replicate).
+
+    It holds no reference to its parameter (it finds it as the gradient accumulator running it),
+    so the parameter can be swapped in place (``model.to(dtype)``, ``to_empty``, which use
+    ``torch.utils.swap_tensors``) and the hook pickles as its placements alone; ``rebind(tensor)``
+    gives the hook for a copy, which DTensor pickling and ``copy.deepcopy`` use to re-register it
+    (torch drops tensor hooks there), so a saved and loaded model keeps its gradient layouts.
+
+    Example:
+        >>> p.register_hook(GradLike((Replicate(),)))  # doctest: +SKIP
+    """
+
+    __slots__ = ("placements",)
+
+    def __init__(self, placements: tuple):
+        self.placements = tuple(placements)
+
+    def rebind(self, tensor: torch.Tensor) -> "GradLike":
+        """The hook for ``tensor`` (a copy of the parameter): this one, as it holds no parameter."""
+        return self
+
+    def __reduce__(self):
+        return (GradLike, (self.placements,))
+
+    def __call__(self, grad):
+        placements = self.placements
+        if not isinstance(grad, DTensor) or grad.placements == placements:
+            return grad
+        dims = _reduced_dims(grad.placements, placements)
+        if dims is not None:
+            node, p = _accumulator()
+            if p is not None and _deferrable(p, node):
+                return _defer(p, grad, placements, dims)
+        return grad.redistribute(placements=placements)
+
+
+def _accumulator():
+    """(gradient accumulator node, its parameter) when a leaf's tensor hook runs in backward; else (None, None)."""
+    if _is_compiling():
+        return None, None
+    try:
+        node = torch._C._current_autograd_node()
+    except AttributeError:  # a torch without it: every reduction runs in its own hook
+        return None, None
+    p = getattr(node, "variable", None) if node is not None and type(node).__name__ == "AccumulateGrad" else None
+    return (node, p) if isinstance(p, DTensor) else (None, None)
+
+
+def grad_like(param: torch.Tensor, placements: tuple) -> GradLike:
+    """A tensor hook giving ``param`` a gradient laid out as ``placements`` (see :class:`GradLike`).
 
     Example:
         >>> p.register_hook(grad_like(p, (Replicate(),)))  # doctest: +SKIP
     """
-    ref = weakref.ref(param)  # the hook lives on the parameter: no strong cycle
-
-    def hook(grad):
-        if not isinstance(grad, DTensor) or grad.placements == placements:
-            return grad
-        dims = _reduced_dims(grad.placements, placements)
-        p = ref()
-        if dims is not None and p is not None and _deferrable(p):
-            return _defer(p, grad, placements, dims)
-        return grad.redistribute(placements=placements)
-    return hook
+    return GradLike(placements)
 
 
 def _reduced_dims(have: tuple, want: tuple):
@@ -77,14 +116,10 @@ def _reduced_dims(have: tuple, want: tuple):
     return tuple(dims) if dims and len(have) == len(want) else None
 
 
-def _deferrable(p: torch.Tensor) -> bool:
+def _deferrable(p: torch.Tensor, node) -> bool:
     if _is_compiling() or torch.is_grad_enabled() or p._post_accumulate_grad_hooks:
         return False
-    try:  # autograd.grad captures the gradient without running the parameter's accumulator
-        node = torch.autograd.graph.get_gradient_edge(p).node
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:
-        return False
+    return _accumulates(node)
 
 
 def _record(ref, local: torch.Tensor, mesh, dims: tuple) -> None:
@@ -168,7 +203,7 @@ def _accumulates(node) -> bool:
     """Whether this backward runs the accumulator ``node`` (autograd.grad captures instead, and says so by raising)."""
     try:
         return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:
+    except (RuntimeError, AttributeError):
         return False
 
 
@@ -211,4 +246,7 @@ def _flush() -> None:
             offset += n
 
 
-__all__ = ["ParamLocal", "grad_like"]
+# A pickled DTensor parameter carries its GradLike hook; torch.load's weights_only unpickler may rebuild it.
+torch.serialization.add_safe_globals([GradLike])
+
+__all__ = ["GradLike", "ParamLocal", "grad_like"]

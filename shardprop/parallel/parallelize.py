@@ -7,11 +7,12 @@ to submodules chosen by dotted names with ``*`` wildcards.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from torch import nn
 
-from shardprop.parallel.styles import ParallelStyle, distribute_params
+from shardprop.parallel.styles import ParallelStyle, distribute_params, replicated
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Replicate
 
@@ -50,13 +51,22 @@ def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Cal
     for name, sub in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, sub, mesh)
-        distribute_params(sub, mesh, lambda _: Replicate())
+        distribute_params(sub, mesh, replicated)
         _replicate_buffers(sub, mesh)
+    # Partials, not lambdas: torch.save(model) pickles the hooks (when input_fn/output_fn pickle).
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+        module.register_forward_pre_hook(functools.partial(_run_input_fn, input_fn, mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+        module.register_forward_hook(functools.partial(_run_output_fn, output_fn, mesh))
     return _distributed(module)
+
+
+def _run_input_fn(input_fn, mesh, mod, inputs):
+    return input_fn(mod, inputs, mesh)
+
+
+def _run_output_fn(output_fn, mesh, mod, inputs, outputs):
+    return output_fn(mod, outputs, mesh)
 
 
 def _replicate_buffers(sub: nn.Module, mesh) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from shardprop.parallel.fused_linear import install
 from shardprop.parallel.fused_norm import install_norm
 from shardprop.parallel.grad_sync import grad_like
+from shardprop.parallel.param_swap import keep_hooks_on_swap
 from shardprop.parallel.relayout import redistribute
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
@@ -108,6 +109,7 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
         param = nn.Parameter(dt, requires_grad=p.requires_grad)
         if p.requires_grad:
             param.register_hook(grad_like(param, param.placements))
+            keep_hooks_on_swap(module)  # model.to(dtype) swaps DTensor parameters in place
         module.register_parameter(name, param)
 
 
@@ -167,17 +169,12 @@ class _LinearStyle(ParallelStyle):
         in_layout = self.input_layouts or in_default
         out_layout = self.output_layouts or out_default
         use_local = self.use_local_output
-
-        def pre(mod, inputs):
-            return (to_dtensor(inputs[0], mesh, in_layout, desired_in),) + tuple(inputs[1:])
-
-        def post(mod, inputs, output):
-            return _maybe_local(to_dtensor(output, mesh, out_layout, out_layout), use_local)
-
+        # Hooks are partials of module-level functions, so torch.save(model) can pickle them.
+        pre = functools.partial(_linear_pre, mesh, in_layout, desired_in)
+        post = functools.partial(_linear_post, mesh, out_layout, use_local)
         # Eager: local matmul / lookup plus explicit collectives (fused_linear); this DTensor path is
         # kept for torch.compile and for layouts the fast path does not cover.
-        def hooked(mod, x):
-            return post(mod, None, type(mod).forward(mod, pre(mod, (x,))[0]))
+        hooked = functools.partial(_hooked_forward, pre, post)
 
         if install(module, f"{style} on {name!r}", isinstance(self, ColwiseParallel), mesh, in_layout, out_layout,
                    use_local, hooked):
@@ -185,6 +182,19 @@ class _LinearStyle(ParallelStyle):
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
+
+
+def _linear_pre(mesh, in_layout, desired_in, mod, inputs):
+    return (to_dtensor(inputs[0], mesh, in_layout, desired_in),) + tuple(inputs[1:])
+
+
+def _linear_post(mesh, out_layout, use_local, mod, inputs, output):
+    return _maybe_local(to_dtensor(output, mesh, out_layout, out_layout), use_local)
+
+
+def _hooked_forward(pre, post, mod, x):
+    """The module's own forward between its style's input and output conversions (the DTensor path)."""
+    return post(mod, None, type(mod).forward(mod, *pre(mod, (x,))))
 
 
 class ColwiseParallel(_LinearStyle):
@@ -254,26 +264,37 @@ class SequenceParallel(ParallelStyle):
 
     def _apply(self, module, mesh, name=""):
         for sub in module.modules():
-            distribute_params(sub, mesh, lambda _: R)
+            distribute_params(sub, mesh, replicated)
         seq = Shard(self.sequence_dim)
         use_local = self.use_local_output
-
-        def pre(mod, inputs):
-            return tuple(to_dtensor(x, mesh, seq, seq) for x in inputs)
-
-        def post(mod, inputs, output):
-            return _maybe_local(output, use_local)
-
+        pre = functools.partial(_sequence_pre, mesh, seq)
+        post = functools.partial(_sequence_post, use_local)
         # Eager: torch's own per-token norms run on the local sequence piece (fused_norm); any other
         # module (it may mix tokens or draw random numbers) and torch.compile keep this DTensor path.
-        def hooked(mod, x):
-            return post(mod, None, type(mod).forward(mod, *pre(mod, (x,))))
+        hooked = functools.partial(_hooked_forward, pre, post)
 
         if install_norm(module, mesh, self.sequence_dim, use_local, hooked):
             return module
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
+
+
+def _sequence_pre(mesh, seq, mod, inputs):
+    return tuple(to_dtensor(x, mesh, seq, seq) for x in inputs)
+
+
+def _sequence_post(use_local, mod, inputs, output):
+    return _maybe_local(output, use_local)
+
+
+def replicated(name: str) -> Replicate:
+    """``placement_of`` for :func:`distribute_params` that replicates every parameter (picklable, unlike a lambda).
+
+    Example:
+        >>> distribute_params(norm, mesh, replicated)  # doctest: +SKIP
+    """
+    return R
 
 
 def _convert_all(values, layouts, desired, mesh, use_local: bool, what: str):
@@ -325,21 +346,20 @@ class PrepareModuleInput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module, mesh, name=""):
-        layouts, desired = self.input_layouts, self.desired_input_layouts
-        kw, kw_desired = self.input_kwarg_layouts, self.desired_input_kwarg_layouts
-        use_local = self.use_local_output
-        what = f"PrepareModuleInput on {name!r}"
-
-        def pre(mod, args, kwargs):
-            if layouts is not None:
-                args = tuple(_convert_all(args, layouts, desired, mesh, use_local, what))
-            for k, lay in kw.items():
-                if k in kwargs:
-                    kwargs[k], = _convert_all((kwargs[k],), (lay,), (kw_desired[k],), mesh, use_local, what)
-            return args, kwargs
-
+        pre = functools.partial(_prepare_input, self, mesh, f"PrepareModuleInput on {name!r}")
         module.register_forward_pre_hook(pre, with_kwargs=True)
         return module
+
+
+def _prepare_input(style: PrepareModuleInput, mesh, what: str, mod, args, kwargs):
+    layouts, desired, use_local = style.input_layouts, style.desired_input_layouts, style.use_local_output
+    if layouts is not None:
+        args = tuple(_convert_all(args, layouts, desired, mesh, use_local, what))
+    for k, lay in style.input_kwarg_layouts.items():
+        if k in kwargs:
+            want = style.desired_input_kwarg_layouts[k]
+            kwargs[k], = _convert_all((kwargs[k],), (lay,), (want,), mesh, use_local, what)
+    return args, kwargs
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -360,17 +380,16 @@ class PrepareModuleOutput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module, mesh, name=""):
-        layouts, desired, use_local = self.output_layouts, self.desired_output_layouts, self.use_local_output
-        what = f"PrepareModuleOutput on {name!r}"
-
-        def post(mod, inputs, output):
-            if isinstance(output, (tuple, list)):
-                return type(output)(_convert_all(output, layouts, desired, mesh, use_local, what))
-            return _convert_all((output,), layouts, desired, mesh, use_local, what)[0]
-
-        module.register_forward_hook(post)
+        module.register_forward_hook(functools.partial(_prepare_output, self, mesh, f"PrepareModuleOutput on {name!r}"))
         return module
 
 
+def _prepare_output(style: PrepareModuleOutput, mesh, what: str, mod, inputs, output):
+    layouts, desired, use_local = style.output_layouts, style.desired_output_layouts, style.use_local_output
+    if isinstance(output, (tuple, list)):
+        return type(output)(_convert_all(output, layouts, desired, mesh, use_local, what))
+    return _convert_all((output,), layouts, desired, mesh, use_local, what)[0]
+
+
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
-           "PrepareModuleOutput", "to_dtensor", "distribute_params"]
+           "PrepareModuleOutput", "to_dtensor", "distribute_params", "replicated"]

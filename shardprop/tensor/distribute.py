@@ -36,6 +36,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
     placements = normalize_placements(placements, tensor.ndim, mesh.ndim, "distribute_tensor")
     if mesh._coord is None:
         raise RuntimeError(f"distribute_tensor: this rank is not in {mesh}")
+    if tensor.is_meta:  # deferred init (build on meta, parallelize, to_empty): shapes only, no data to move
+        local = local_chunk(tensor.detach(), mesh, placements)
+        spec = make_spec(mesh, placements, tensor.shape, None, tensor.dtype)
+        return DTensor(local, spec, requires_grad=tensor.requires_grad)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     full = tensor.detach().to(device)
     if src_data_rank is not None and type(full) is not torch.Tensor and C.is_traced(full):
