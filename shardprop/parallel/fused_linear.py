@@ -20,9 +20,11 @@ DTensor inputs are redistributed to the layout the style needs (differentiable) 
 unwrapped with a gradient layout that matches what DTensor dispatch would produce
 (``Partial`` for a replicated input of a column-parallel matmul), so the surrounding
 DTensor code sees the same layouts as before. Parameters stay DTensor ``nn.Parameter``s:
-the local weight is taken through a one-node autograd path whose backward wraps the
-local gradient as a DTensor laid out like the parameter (a ``Partial`` bias gradient is
-reduced by the parameter's hook), so optimizers and checkpoints see what they saw. Every
+the local weight is taken through a one-node autograd path (``grad_sync.ParamLocal``) whose
+backward puts the local gradient into ``param.grad`` as a DTensor laid out like the parameter
+(a ``Partial`` bias gradient joins the end-of-backward all-reduce), so optimizers and
+checkpoints see what they saw. Sequence gathers and reduce-scatters on an even 1-d mesh go
+through ``relayout`` (one flat collective, one layout copy), others through the planner. Every
 collective goes through ``shardprop.mesh.collectives`` (so ``comm_counter()`` counts it); the
 local matmuls are not DTensor ops, so ``explain()`` (which records dispatcher ops) does not
 list them. Under ``torch.compile`` the forward runs the DTensor path (traced with no graph break).

@@ -4,11 +4,11 @@
 token on its own and draw no random numbers, so on a sequence-sharded input each rank can
 run the norm on its local piece with the local (replicated) weights: no DTensor dispatch
 per op. Parameters stay DTensor ``nn.Parameter``s: the local weight is taken through a
-one-node autograd path whose backward wraps the local weight gradient (this rank's sum
-over its sequence piece) as a ``Partial`` DTensor, which the parameter's hook
-(``grad_sync``) reduces to ``Replicate`` (coalesced with the others at the end of backward).
-The output is the ``Shard(seq)`` DTensor of the local result (or the local result with
-``use_local_output``), as the DTensor path gives. Under ``torch.compile``, for other module
+one-node autograd path (``grad_sync.ParamLocal``) whose backward hands the local weight
+gradient (this rank's sum over its sequence piece, a ``Partial`` value) to the end-of-backward
+all-reduce that makes ``param.grad`` ``Replicate`` (coalesced with the others). The output is
+the ``Shard(seq)`` DTensor of the local result (``WrapLocal``, its spec cached per shape; or
+the local result with ``use_local_output``), as the DTensor path gives. Under ``torch.compile``, for other module
 types, or when the sequence dim is a normalized dim, the DTensor path runs.
 
 Example:
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardprop.parallel.fused_linear import LocalOf, WrapLocal
 from shardprop.parallel.autograd_apply import direct_apply
+from shardprop.parallel.fused_linear import LocalOf, WrapLocal
 from shardprop.parallel.grad_sync import ParamLocal
 from shardprop.parallel.relayout import redistribute
 from shardprop.tensor.dtensor import DTensor, make_spec
