@@ -53,7 +53,7 @@ class FusedNorm:
         return self  # immutable after construction; the mesh is shared, as DTensors share it
 
     def __getstate__(self):
-        return {**vars(self), "_seq": {}}  # the cache is rebuilt on use
+        return {**vars(self), "_seq": {}, "_out_spec": {}}  # the caches are rebuilt on use (specs are per process)
 
     def forward(self, module, input):  # noqa: A002 (the norms' forward argument name)
         """The norm on this rank's sequence piece; a Shard(seq) DTensor out (local with use_local_output)."""
