@@ -33,6 +33,8 @@ Usage::
 optimizer step:
 
 * ``floor``: the hand-written Megatron TP on plain local tensors (``bench/tp_floor.py``);
+* ``floor SP``: the same with sequence parallelism, communicating exactly as ``tp_plan`` does
+  (the titan contenders are also shown over it: what is left once the plan's communication is paid);
 * ``ours titan`` / ``ref titan``: ``tp_plan`` (torchtitan style, sequence parallel) under
   shardprop / torch.distributed.tensor;
 * ``ours per-linear``: ColwiseParallel on wq/wk/wv/w1/w3/output (``output_layouts=Replicate()``
