@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from shardprop.dispatch import dispatcher
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.dispatch.registry import rule
 from shardprop.tensor.placement import Replicate
@@ -85,3 +86,4 @@ def fused_optimizer_options(ctx):
 
 
 rule(*FUSED_OPTIMIZER_OPS, per_dim=False)(fused_optimizer_options)
+dispatcher.POSITIONWISE.update(FUSED_OPTIMIZER_OPS)  # plain parameters beside DTensor ones: split by position

@@ -5,6 +5,8 @@
   the same fused optimizer on plain tensors, keeps every placement, reduces Partial
   gradients, and makes one DTensor dispatch per step; misplaced written states and
   Partial parameters raise, naming the op.
+* Parameter groups mixing plain tensors and DTensors (foreach=True, fused=True) split by
+  position and give the plain run's parameters.
 * Each Tensor method the dispatcher calls in place of an overload's C++ callable
   (dispatch/method_calls.py) runs exactly that overload, with the same result.
 * A propagation answer the dispatcher remembers per op is forgotten when rules change.
@@ -84,6 +86,42 @@ def test_fused_optimizers_match_plain_fused_run(mesh_shape):
     problems, dispatches = run_on_ranks(4, _fused_runs, mesh_shape, timeout=300)[0]
     assert not problems, "\n".join(problems)
     assert dispatches == {name: 1 for name, _ in FUSED}, dispatches
+
+
+def _mixed_runs():
+    """Plain parameters beside DTensor ones (norms left unsharded): foreach and fused split by position."""
+    from shardprop import distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (4,))
+    layouts = [(Shard(0),), None, (Shard(1),), None]  # None: a plain tensor
+    init, grads = _data()
+    problems = []
+    for name, kw in [("AdamW", dict(lr=0.05, weight_decay=0.01, fused=True)),
+                     ("AdamW", dict(lr=0.05, weight_decay=0.01, foreach=True)),
+                     ("SGD", dict(lr=0.1, momentum=0.9, foreach=True)), ("SGD", dict(lr=0.1, fused=True))]:
+        try:
+            wrap = [(lambda t: t) if pl is None else (lambda t, pl=pl: distribute_tensor(t, mesh, list(pl)))
+                    for pl in layouts]
+            plain = [torch.nn.Parameter(t.clone()) for t in init]
+            mixed = [torch.nn.Parameter(w(t.clone())) for w, t in zip(wrap, init)]
+            o_plain = getattr(torch.optim, name)(plain, **kw)
+            o_mixed = getattr(torch.optim, name)(mixed, **kw)
+            for s in range(STEPS):
+                for i, g in enumerate(grads[s]):
+                    plain[i].grad = g.clone()
+                    mixed[i].grad = wrap[i](g.clone())
+                o_plain.step()
+                o_mixed.step()
+            for i, (w, m) in enumerate(zip(plain, mixed)):
+                m = m.detach()
+                torch.testing.assert_close(m.full_tensor() if layouts[i] else m, w.detach(), atol=1e-5, rtol=1e-5)
+        except Exception as e:
+            problems.append(f"{name} {kw}: {type(e).__name__}: {str(e)[:400]}")
+    return problems
+
+
+def test_plain_and_dtensor_parameters_mixed_in_one_group():
+    problems = run_on_ranks(4, _mixed_runs, timeout=300)[0]
+    assert not problems, "\n".join(problems)
 
 
 def _fused_errors():

@@ -34,6 +34,12 @@ SPECIAL = {}
 # (OpOverload hashes in Python; hashing it once here saves that on every call).
 _OPS = {}
 
+# Ops over lists whose position i depends only on position i of each list (_foreach_*, the fused
+# optimizers): lists mixing plain tensors and DTensors run as two calls (see _split_plain_positions).
+# Filled by the rooms that own their rules; consulted only when a plain tensor was found.
+POSITIONWISE = set()
+_NOT_SPLIT = _marker("<not split>")
+
 # Set by shardprop.dispatch.decompose: called once per op, at its first call, when the op has no
 # special handler; returns the handler to install (the op's CompositeImplicitAutograd decomposition,
 # for ops torch would decompose above autograd) or None. Never called again for that op.
@@ -202,6 +208,10 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             lkwargs = {}
             kkey = ()
     except PlainTensorError:
+        if op in POSITIONWISE:
+            split = _split_plain_positions(op, args, kwargs, compute, rec)
+            if split is not _NOT_SPLIT:
+                return split
         args, kwargs = _replicate_plain_indices(args, kwargs)  # raises again for non-zero floating ones
         return run(op, args, kwargs, compute, rec)
     if rec is None:
@@ -310,6 +320,43 @@ def _write_into_copy_error(op, target) -> Exception:
         "would not reach the base tensor as it does in torch. Redistribute the base so the view keeps its "
         "shards (e.g. x = x.redistribute(placements=[Replicate()])) before writing through the view, or "
         ".clone() the view if the base need not change.")
+
+
+def _split_plain_positions(op, args, kwargs, compute, rec):
+    """Run a POSITIONWISE op whose lists mix plain tensors and DTensors as two calls.
+
+    Positions where no list holds a DTensor run as plain torch; the others through the
+    rule-based path (their plain 0-d tensors, such as optimizer steps, are replicated as
+    always). An optimizer over a model whose norms stay plain tensors thus takes
+    ``foreach=True`` or ``fused=True``. Returns _NOT_SPLIT when every position holds a
+    DTensor (a plain tensor beside a DTensor at one position: the caller's error path).
+
+    Example:
+        >>> torch._foreach_mul_([dtensor_w, plain_w], 0.5)  # doctest: +SKIP
+    """
+    lists = [j for j, a in enumerate(args) if type(a) in (list, tuple)]
+    if not lists or any(isinstance(a, DTensor) for j, a in enumerate(args) if j not in lists):
+        return _NOT_SPLIT
+    n = len(args[lists[0]])
+    full = [j for j in lists if len(args[j]) == n]
+    dt = [i for i in range(n) if any(isinstance(args[j][i], DTensor) for j in full)]
+    if not dt or len(dt) == n:
+        return _NOT_SPLIT
+    dt_set = set(dt)
+    plain = [i for i in range(n) if i not in dt_set]
+
+    def pick(idx):
+        return tuple([args[j][i] for i in idx] if j in full else a for j, a in enumerate(args))
+
+    res_plain = getattr(op, "_op", op)(*pick(plain), **(kwargs or {}))
+    res_dt = run(op, pick(dt), kwargs, compute, rec)
+    if res_plain is None:
+        return None
+    merged = [None] * n
+    for idx, part in ((plain, res_plain), (dt, res_dt)):
+        for i, r in zip(idx, part):
+            merged[i] = r
+    return merged
 
 
 def _replicate_plain_indices(args, kwargs):
