@@ -178,15 +178,18 @@ def _call_forms(op):
     """Argument forms the dispatcher can pass ``op``: tensors, Python numbers, 0-d tensors, kwargs."""
     g = torch.Generator().manual_seed(1)
     pos, kw = [], {}
+    ints = iter([0, 1])
     for a in op._schema.arguments:
         kind = str(a.type)
         if a.kwarg_only:
             if kind in ("Scalar", "number"):
                 kw[a.name] = 0.5
         elif kind == "Tensor":
-            pos.append(torch.rand(4, 3, generator=g) + 0.5)
+            pos.append(torch.rand(4, 4, generator=g) + 0.5)  # square: every matmul form is valid
         elif kind in ("Scalar", "number"):
             pos.append(0.25)
+        elif kind == "int":
+            pos.append(next(ints))
     forms = [(pos, kw), (pos, {})]
     names = [a.name for a in op._schema.arguments if not a.kwarg_only]
     if "other" in names:  # binary ops: torch passes a Python number or a 0-d tensor there too
@@ -198,6 +201,7 @@ def _call_forms(op):
 
 def test_method_calls_run_exactly_their_overload():
     from shardprop.dispatch.method_calls import METHOD_CALLS
+    checked = 0
     for op, method in METHOD_CALLS.items():
         for args, kwargs in _call_forms(op):
             a1 = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
@@ -211,8 +215,10 @@ def test_method_calls_run_exactly_their_overload():
             with _Record() as rec:
                 got = method(*a1, **kwargs)
             assert rec.ops == [op], f"{op} {args} {kwargs}: the method ran {rec.ops}"
+            checked += 1
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             torch.testing.assert_close(a1[0], a2[0], rtol=0, atol=0)  # in-place targets alike
+    assert checked >= 2 * len(METHOD_CALLS)  # every entry ran at least its two plain forms
 
 
 # ------------------------------------------------------------ memo
