@@ -9,7 +9,8 @@
   position and give the plain run's parameters.
 * Each Tensor method the dispatcher calls in place of an overload's C++ callable
   (dispatch/method_calls.py) runs exactly that overload, with the same result.
-* A propagation answer the dispatcher remembers per op is forgotten when rules change.
+* A propagation answer the dispatcher remembers per op is forgotten when rules change,
+  and nothing is remembered with the propagation cache switched off.
 (foreach=True/False optimizers over DTensors: tests/test_ops_foreach.py.)
 """
 
@@ -239,9 +240,20 @@ def _memo_follows_rules():
     finally:
         shardprop.unregister_sharding(aten.sqrt.default)
     seen.append(torch.sqrt(x.abs()).placements)
-    return seen
+    # With the propagation cache switched off nothing is remembered: every call propagates.
+    from shardprop.dispatch import propagate
+    size = propagate.propagate.cache_info().maxsize
+    shardprop.set_cache_size(0)
+    try:
+        for _ in range(3):
+            torch.sqrt(x.abs())
+        misses = next(r["misses"] for r in shardprop.cache_stats() if r["op"] == "aten.sqrt.default")
+    finally:
+        shardprop.set_cache_size(size)
+    return seen, misses
 
 
 def test_remembered_answers_follow_rule_changes():
-    seen = run_on_ranks(4, _memo_follows_rules, timeout=120)[0]
+    seen, misses = run_on_ranks(4, _memo_follows_rules, timeout=120)[0]
     assert seen == [(Shard(0),), (R,), (Shard(0),)]
+    assert misses == 3

@@ -37,6 +37,7 @@ def set_cache_size(n: int) -> None:
     """
     propagate.propagate = functools.lru_cache(maxsize=n)(propagate._propagate)
     dispatcher._propagate = propagate.propagate
+    dispatcher._MEMO_SIZE = 1024 if n is None or n > 0 else 0  # no cache: nothing remembered either
     dispatcher.clear_memos()
     reset_counts()
 

@@ -26,7 +26,7 @@ _TRUE = _marker("<True>")
 _FALSE = _marker("<False>")
 _scalar_keys = {}
 _float_kwargs = {}  # kwarg names -> the key of those kwargs when all are floats
-_MEMO_SIZE = 1024  # answers remembered per op (a full memo starts over; the propagate cache stays)
+_MEMO_SIZE = 1024  # answers remembered per op (a full memo starts over; 0 with a disabled propagate cache)
 
 # op -> handler(op, args, kwargs) for ops that need more than a rule. Use register_special.
 SPECIAL = {}
@@ -227,7 +227,8 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             out = _propagate(schema := OpSchema(op, key[0], kkey, rec[1]))
             if len(memo) >= _MEMO_SIZE:
                 memo.clear()
-            memo[key] = out
+            if _MEMO_SIZE:
+                memo[key] = out
     except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
         out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec[1]))
     if out.needs_redistribute:
