@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from shardprop.dispatch import dispatcher
 from shardprop.dispatch import propagate as _prop
 from shardprop.dispatch import registry
 from shardprop.dispatch.op_schema import OpSchema
@@ -306,4 +307,5 @@ def _foreach_overloads():
 
 FOREACH_OPS = _foreach_overloads()
 rule(*FOREACH_OPS, per_dim=False)(foreach_options)
+dispatcher.POSITIONWISE.update(FOREACH_OPS)  # lists mixing plain tensors and DTensors: split by position
 registry.register_local_call(aten._foreach_norm.Scalar, _norm_local)

@@ -279,7 +279,8 @@ def test_only_our_value_types_are_allowlisted():
 def _whole_model_copy(how: str):
     """The demo Llama under tp_plan copied by ``how``; the copy trains one SGD step. Problems found."""
     import shardprop as sp
-    from shardprop.demo.model import Llama, LlamaConfig, lm_loss, synthetic_batch, tp_plan
+    from shardprop.demo.model import Llama, LlamaConfig, synthetic_batch, tp_plan
+    from tests.test_module_conversions import _compare_step
     cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, seq_len=8)
     mesh = sp.init_device_mesh("cpu", (2,))
     model = sp.parallelize_module(Llama(cfg, 0), mesh, tp_plan())
@@ -290,21 +291,8 @@ def _whole_model_copy(how: str):
         torch.save(model, f)
         f.seek(0)
         twin = torch.load(f, weights_only=False)
-    ref = Llama(cfg, 0)
-    tokens, targets = synthetic_batch(cfg, 2, 0)
     problems = []
-    for m in (twin, ref):
-        loss = lm_loss(m(tokens), targets)
-        loss.backward()
-        with torch.no_grad():
-            for p in m.parameters():
-                p.sub_(0.5 * p.grad)
-    norm_grad = twin.layers[0].attention_norm.weight.grad
-    if norm_grad.placements != (sp.Replicate(),):
-        problems.append(f"copied norm weight's gradient is {norm_grad.placements}, expected [Replicate()]")
-    for (name, p), q in zip(twin.named_parameters(), ref.parameters()):
-        if not torch.allclose(p.full_tensor(), q, atol=1e-5, rtol=1e-4):
-            problems.append(f"{name} after one step differs from one process")
+    _compare_step(twin, Llama(cfg, 0), synthetic_batch(cfg, 2, 0), problems, how)
     untouched = Llama(cfg, 0)
     for (name, p), q in zip(model.named_parameters(), untouched.parameters()):
         if p.grad is not None or not torch.equal(p.full_tensor(), q):

@@ -19,6 +19,7 @@ def clear_cache() -> None:
         >>> shardprop.clear_cache()  # doctest: +SKIP
     """
     propagate.propagate.cache_clear()
+    dispatcher.clear_memos()
     reset_counts()
 
 
@@ -36,6 +37,8 @@ def set_cache_size(n: int) -> None:
     """
     propagate.propagate = functools.lru_cache(maxsize=n)(propagate._propagate)
     dispatcher._propagate = propagate.propagate
+    dispatcher._MEMO_SIZE = 1024 if n is None or n > 0 else 0  # no cache: nothing remembered either
+    dispatcher.clear_memos()
     reset_counts()
 
 

@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from shardprop.dispatch import propagate as _prop
+from shardprop.dispatch.method_calls import local_callable
 from shardprop.dispatch.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.redistribute import run_plan
@@ -24,12 +25,20 @@ _inference_mode_enabled = torch.is_inference_mode_enabled
 _TRUE = _marker("<True>")
 _FALSE = _marker("<False>")
 _scalar_keys = {}
+_float_kwargs = {}  # kwarg names -> the key of those kwargs when all are floats
+_MEMO_SIZE = 1024  # answers remembered per op (a full memo starts over; 0 with a disabled propagate cache)
 
 # op -> handler(op, args, kwargs) for ops that need more than a rule. Use register_special.
 SPECIAL = {}
 # op -> [special handler or None, hash(op), calls, callable]: one dict lookup per call gives all
 # (OpOverload hashes in Python; hashing it once here saves that on every call).
 _OPS = {}
+
+# Ops over lists whose position i depends only on position i of each list (_foreach_*, the fused
+# optimizers): lists mixing plain tensors and DTensors run as two calls (see _split_plain_positions).
+# Filled by the rooms that own their rules; consulted only when a plain tensor was found.
+POSITIONWISE = set()
+_NOT_SPLIT = _marker("<not split>")
 
 # Set by shardprop.dispatch.decompose: called once per op, at its first call, when the op has no
 # special handler; returns the handler to install (the op's CompositeImplicitAutograd decomposition,
@@ -52,12 +61,13 @@ def register_special(op, handler) -> None:
 
 
 def _op_record(op) -> list:
-    # [special handler, hash(op), calls, the C++ callable behind op(...) (skips a Python frame)]
+    # [special handler, hash(op), calls, the callable that runs op on plain tensors (method_calls),
+    #  memo: (arg keys, kwarg keys) -> OutputSharding]
     # Built once per op (the first call), so deciding on a decomposition here costs nothing later.
     handler = SPECIAL.get(op)
     if handler is None and first_call_hook is not None:
         handler = first_call_hook(op)
-    rec = _OPS[op] = [handler, hash(op), 0, getattr(op, "_op", op)]
+    rec = _OPS[op] = [handler, hash(op), 0, local_callable(op), {}]
     return rec
 
 
@@ -69,6 +79,12 @@ def call_counts() -> dict:
 def reset_counts() -> None:
     for rec in _OPS.values():
         rec[2] = 0
+
+
+def clear_memos() -> None:
+    """Forget every op's remembered propagation answers (with the propagation cache)."""
+    for rec in _OPS.values():
+        rec[4].clear()
 
 
 def wrap(local: torch.Tensor, spec) -> "DTensor":
@@ -140,6 +156,13 @@ def _flatten(seq, largs: list, key: list) -> None:
             key.append(a)
 
 
+def _flatten_kwargs(kwargs):
+    """(local kwargs, kwargs key) for kwargs that hold more than floats."""
+    vals, kkey = [], []
+    _flatten(kwargs.values(), vals, kkey)
+    return dict(zip(kwargs.keys(), vals)), tuple(zip(kwargs.keys(), kkey))
+
+
 def dispatch(op, args=(), kwargs=None):
     """Run aten ``op`` on DTensor arguments: propagate (cached), redistribute if needed, compute, wrap.
 
@@ -172,29 +195,49 @@ def run(op, args, kwargs=None, compute=None, rec=None):
     try:  # free when nothing raises (Python 3.11 zero-cost exceptions): the hot path is unchanged
         _flatten(args, largs, key)
         if kwargs:
-            vals, kkey = [], []
-            _flatten(kwargs.values(), vals, kkey)
-            lkwargs = dict(zip(kwargs.keys(), vals))
-            kkey = tuple(zip(kwargs.keys(), kkey))
+            for v in kwargs.values():
+                if type(v) is not float:
+                    lkwargs, kkey = _flatten_kwargs(kwargs)
+                    break
+            else:  # only floats (alpha=, value=): passed on as they are, the key cached per names
+                lkwargs = kwargs
+                kkey = _float_kwargs.get(tuple(kwargs))
+                if kkey is None:
+                    kkey = _float_kwargs[tuple(kwargs)] = tuple((name, FLOAT) for name in kwargs)
         else:
             lkwargs = {}
             kkey = ()
     except PlainTensorError:
+        if op in POSITIONWISE:
+            split = _split_plain_positions(op, args, kwargs, compute, rec)
+            if split is not _NOT_SPLIT:
+                return split
         args, kwargs = _replicate_plain_indices(args, kwargs)  # raises again for non-zero floating ones
         return run(op, args, kwargs, compute, rec)
     if rec is None:
         rec = _OPS.get(op) or _op_record(op)
-    schema = OpSchema(op, tuple(key), kkey, rec[1])
+    # The op's own memo answers a repeated call without building an OpSchema; a miss asks the
+    # cached propagate (which keeps the statistics) and remembers its answer here.
+    key = (tuple(key), kkey)
+    memo = rec[4]
+    schema = None
     try:
-        out = _propagate(schema)
+        out = memo.get(key)
+        if out is None:
+            out = _propagate(schema := OpSchema(op, key[0], kkey, rec[1]))
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            if _MEMO_SIZE:
+                memo[key] = out
     except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
-        out = _prop.propagate_uncached(schema)
+        out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec[1]))
     if out.needs_redistribute:
+        schema = schema or OpSchema(op, key[0], kkey, rec[1])
         largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
         if op.is_view and op not in _MAY_COPY:
             return _copied_view(op, args, out, schema, compute or out.local_call, rec, largs, lkwargs)
     if recorder is not None:
-        recorder.record(schema, out)
+        recorder.record(schema or OpSchema(op, key[0], kkey, rec[1]), out)
     if compute is None:
         compute = out.local_call
     res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
@@ -278,6 +321,43 @@ def _write_into_copy_error(op, target) -> Exception:
         "would not reach the base tensor as it does in torch. Redistribute the base so the view keeps its "
         "shards (e.g. x = x.redistribute(placements=[Replicate()])) before writing through the view, or "
         ".clone() the view if the base need not change.")
+
+
+def _split_plain_positions(op, args, kwargs, compute, rec):
+    """Run a POSITIONWISE op whose lists mix plain tensors and DTensors as two calls.
+
+    Positions where no list holds a DTensor run as plain torch; the others through the
+    rule-based path (their plain 0-d tensors, such as optimizer steps, are replicated as
+    always). An optimizer over a model whose norms stay plain tensors thus takes
+    ``foreach=True`` or ``fused=True``. Returns _NOT_SPLIT when every position holds a
+    DTensor (a plain tensor beside a DTensor at one position: the caller's error path).
+
+    Example:
+        >>> torch._foreach_mul_([dtensor_w, plain_w], 0.5)  # doctest: +SKIP
+    """
+    lists = [j for j, a in enumerate(args) if type(a) in (list, tuple)]
+    if not lists or any(isinstance(a, DTensor) for j, a in enumerate(args) if j not in lists):
+        return _NOT_SPLIT
+    n = len(args[lists[0]])
+    full = [j for j in lists if len(args[j]) == n]
+    dt = [i for i in range(n) if any(isinstance(args[j][i], DTensor) for j in full)]
+    if not dt or len(dt) == n:
+        return _NOT_SPLIT
+    dt_set = set(dt)
+    plain = [i for i in range(n) if i not in dt_set]
+
+    def pick(idx):
+        return tuple([args[j][i] for i in idx] if j in full else a for j, a in enumerate(args))
+
+    res_plain = getattr(op, "_op", op)(*pick(plain), **(kwargs or {}))
+    res_dt = run(op, pick(dt), kwargs, compute, rec)
+    if res_plain is None:
+        return None
+    merged = [None] * n
+    for idx, part in ((plain, res_plain), (dt, res_dt)):
+        for i, r in zip(idx, part):
+            merged[i] = r
+    return merged
 
 
 def _replicate_plain_indices(args, kwargs):

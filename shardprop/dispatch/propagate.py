@@ -145,6 +145,11 @@ def _meta_cached(key: OpSchema):
 def meta_run(schema: OpSchema):
     """Run the op on meta tensors: (output metas, how the result is returned)."""
     op = schema.op
+    schema_returns = getattr(getattr(op, "_schema", None), "returns", None)
+    if schema_returns is not None and len(schema_returns) == 0:
+        # Returns nothing: no output meta to infer, and some such kernels have no meta version
+        # (_fused_sgd_); their rules check the arguments themselves.
+        return (), returns_kind(op, None)
     args = [_to_meta(a) for a in schema.args]
     kwargs = {k: _to_meta(v) for k, v in schema.kwargs}
     try:
