@@ -318,7 +318,8 @@ def _repeated(mesh_shape, cases, shapes):
             prog = plan.prepared[0]
             y2 = x.redistribute(placements=list(dst))
             y3 = x.redistribute(placements=dst, async_op=True)
-            for name, y in (("first", y1), ("second", y2), ("async", y3)):
+            y4 = x.redistribute(placements=dst)  # while y3 may still be in flight: its buffers are not reused
+            for name, y in (("first", y1), ("second", y2), ("async", y3), ("after async", y4)):
                 if not check(y):
                     errors.append(f"{what}: {name} call gave a wrong shard")
             if not torch.equal(y1.to_local(), kept):
