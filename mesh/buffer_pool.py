@@ -27,7 +27,10 @@ from typing import Optional, Sequence
 
 import torch
 
-MIN_BYTES = 1 << 20          # below this glibc reuses freed memory by itself
+# Below this a fresh buffer is as fast (glibc reuses freed memory) and taking one from the pool
+# costs more: measured on 4 gloo ranks, a 1 MB all-gather output is 4-11% faster fresh, a 2 MB one
+# 16% faster pooled.
+MIN_BYTES = 3 << 19          # 1.5 MB
 MAX_BUFFERS = 16
 MAX_BYTES = 1 << 30          # kept memory, in use or not
 

@@ -377,6 +377,19 @@ def p2p_group(mesh):
     return entry[0] if entry is not None else None
 
 
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous, else a contiguous copy (a reused buffer for big eager ones: no page faults).
+
+    The copy is held by the send's work until the message left, so the pool hands it out again
+    only after that.
+    """
+    if t.is_contiguous():
+        return t
+    if buffer_pool.plain(t):
+        return buffer_pool.empty(t.shape, t).copy_(t)
+    return t.contiguous()
+
+
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tuple[torch.Tensor, int, int]], group,
               result: torch.Tensor, *, async_op: bool = False, finish=None, finish_shape=None,
               meanwhile=None) -> torch.Tensor:
@@ -398,7 +411,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
             _count("send", t)
         for t, _, _ in recvs:
             _count("recv", t)
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer, tag in sends]
+    ops = [dist.P2POp(dist.isend, _packed(t), peer, group, tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer, tag in recvs]
     work = _AllWork(dist.batch_isend_irecv(ops) if ops else [])
     if meanwhile is not None:

@@ -261,6 +261,122 @@ def test_temporaries_in_place_and_held_tensors_untouched():
                 assert inplace == _INPLACE[case], f"rank {rank} {case}: in place {inplace}, expected {_INPLACE[case]}"
 
 
+# ---------------------------------------------------------------- prepared programs: repeated calls
+# (mesh, src, dst): every step kind, through the program a plan keeps after its first eager run.
+REPEATED = [((4,), ("S0",), ("R",)), ((4,), ("S1",), ("R",)), ((4,), ("P",), ("R",)), ((4,), ("P",), ("S0",)),
+            ((4,), ("P",), ("S1",)), ((4,), ("S0",), ("S1",)), ((4,), ("S1",), ("S0",)), ((4,), ("R",), ("S0",)),
+            ((4,), ("R",), ("S1",)), ((4,), ("R",), ("P",)), ((4,), ("S1",), ("P",)),
+            ((2, 2), ("S0", "S1"), ("R", "R")), ((2, 2), ("S0", "R"), ("R", "S0")), ((2, 2), ("S0", "S0"), ("R", "R")),
+            ((2, 2), ("R", "R"), ("S0", "S1")), ((2, 2), ("P", "R"), ("R", "R")), ((2, 2), ("P", "R"), ("S1", "S0")),
+            ((2, 2), ("S1", "S1"), ("S0", "R"))]
+REPEATED_SHAPES = [(8, 12), (7, 9), (5, 3), (2, 6, 5)]
+
+
+def _value_and_local(mesh, src, shape, full_seed):
+    """(the global value, this rank's local tensor) for placements ``src``; Partial dims sum per-rank addends."""
+    from shardprop import Partial
+    coord = mesh.get_coordinate()
+    pdims = [m for m, p in enumerate(src) if type(p) is Partial]
+    if not pdims:
+        full = _full(shape, full_seed)
+        return full, _chunk(full, mesh.shape, coord, src).clone()
+    # Partial on mesh dim m: the addend depends on the coordinate along m only; the value is their sum.
+    m = pdims[0]
+    addends = [_full(shape, full_seed + 100 * i) for i in range(mesh.shape[m])]
+    rest = tuple(p if k != m else _pl("R")[0] for k, p in enumerate(src))
+    return sum(addends), _chunk(addends[coord[m]], mesh.shape, coord, rest).clone()
+
+
+def _repeated(mesh_shape, cases, shapes):
+    """Rank side: each transition three times (sync twice, async once) on the same source."""
+    from shardprop import DTensor, Partial, Shard, init_device_mesh, plan_redistribute
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    coord = mesh.get_coordinate()
+    errors = []
+    for shape in shapes:
+        for src_c, dst_c in cases:
+            src, dst = _pl(src_c), _pl(dst_c)
+            if any(type(p) is Shard and p.dim >= len(shape) for p in src + dst):
+                continue
+            what = f"{mesh_shape} {shape} {src_c}->{dst_c}"
+            value, local = _value_and_local(mesh, src, shape, 7)
+            before = local.clone()
+            x = DTensor.from_local(local, mesh, src, shape=shape)
+            if "P" in dst_c:  # to Partial: the value survives the reduction
+                def check(y):
+                    return torch.allclose(y.redistribute(placements=_pl(("R",) * len(dst))).to_local(), value, atol=1e-5)
+            else:
+                want = _chunk(value, mesh.shape, coord, dst)
+
+                def check(y):
+                    got = y.to_local()
+                    return got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+            y1 = x.redistribute(placements=list(dst))
+            kept = y1.to_local().clone()
+            plan = plan_redistribute(x._spec, dst)
+            prog = plan.prepared[0]
+            y2 = x.redistribute(placements=list(dst))
+            y3 = x.redistribute(placements=dst, async_op=True)
+            y4 = x.redistribute(placements=dst)  # while y3 may still be in flight: its buffers are not reused
+            for name, y in (("first", y1), ("second", y2), ("async", y3), ("after async", y4)):
+                if not check(y):
+                    errors.append(f"{what}: {name} call gave a wrong shard")
+            if not torch.equal(y1.to_local(), kept):
+                errors.append(f"{what}: the first result changed when the call was repeated")
+            if not torch.equal(local, before):
+                errors.append(f"{what}: the input changed")
+            if y2.to_local().numel() and y2.to_local().untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                errors.append(f"{what}: the result aliases the input")
+            if prog is None or prog.src is not x._spec or plan.prepared[0] is not prog:
+                errors.append(f"{what}: the plan was not prepared once and kept")
+            if any(type(p) is Partial for p in src):
+                continue
+            # The same through a differentiable source, and the gradient back.
+            leaf = local.clone().requires_grad_(True)
+            g = _full(tuple(y1.shape), 11)
+            for _ in range(2):
+                leaf.grad = None
+                yg = DTensor.from_local(leaf, mesh, src, shape=shape).redistribute(placements=dst)
+                if "P" in dst_c:
+                    continue
+                (yg.to_local() * _chunk(g, mesh.shape, coord, dst)).sum().backward()
+                if not torch.allclose(leaf.grad, _chunk(g, mesh.shape, coord, src), atol=1e-5):
+                    errors.append(f"{what}: wrong gradient")
+    return errors
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d", "2x2"])
+def test_repeated_redistribution_values(mesh_shape):
+    cases = [(s, d) for m, s, d in REPEATED if m == mesh_shape]
+    for rank, errors in enumerate(run_on_ranks(4, _repeated, mesh_shape, cases, REPEATED_SHAPES)):
+        assert not errors, f"rank {rank}: " + "; ".join(errors[:8])
+
+
+def _target_cache():
+    from shardprop import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    full = _full((8, 12), 3)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    out = {"first": torch.equal(x.redistribute(placements=[Shard(1)]).to_local(), full.chunk(4, 1)[dist.get_rank()])}
+    out["negative dim"] = torch.equal(x.redistribute(placements=[Shard(-1)]).to_local(), full.chunk(4, 1)[dist.get_rank()])
+    out["negative dim spec"] = x.redistribute(placements=(Shard(-1),)).placements == (Shard(1),)
+    for bad in ([Shard(2)], [Replicate(), Replicate()], ["R"], [[Shard(0)]]):
+        try:
+            x.redistribute(placements=bad)
+            out[f"bad {bad}"] = False
+        except (ValueError, TypeError):
+            out[f"bad {bad}"] = True
+    out["same"] = x.redistribute(placements=[Shard(0)]).to_local() is x.to_local()
+    return out
+
+
+def test_target_cache_checks_every_new_placement_list():
+    for rank, out in enumerate(run_on_ranks(4, _target_cache)):
+        assert all(out.values()), f"rank {rank}: " + ", ".join(k for k, v in out.items() if not v)
+
+
 # ---------------------------------------------------------------- cost model honesty
 # Bench transitions: (mesh, src, dst), priced at the bench's sizes (square float32, side n).
 BENCH = [((4,), ("S0",), ("R",)), ((4,), ("S1",), ("R",)), ((4,), ("S0",), ("S1",)), ((4,), ("R",), ("S0",)),

@@ -17,7 +17,7 @@ from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
-from shardprop.tensor.redistribute import redistribute_local
+from shardprop.tensor.redistribute import plan_redistribute, redistribute_local, run_plan
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -151,23 +151,49 @@ def _handed_over(dt) -> bool:
     return not _is_compiling() and _sole_owner(dt)
 
 
+# (source spec, target placements as the caller gave them) -> (target spec, plan; None: no change).
+# A repeated redistribution then skips checking the placements, building the target spec (an
+# interning lookup that hashes the shape) and planning: one dict lookup. Filled in eager mode
+# only, for interned specs (symbolic ones are not interned and would only pile up).
+_TARGETS: dict = {}
+_TARGETS_MAX = 4096
+
+
+def _target(src, placements, ndim: int):
+    """(target spec, plan or None) for laying ``src`` out as ``placements`` (checked; a tuple or _REPLICATE_ALL)."""
+    mesh = src.mesh
+    if placements is None:
+        raise ValueError("redistribute: give the target placements")
+    key = (src, placements)
+    try:
+        hit = _TARGETS.get(key)
+    except TypeError:  # something unhashable among the placements: the check below names it
+        hit = key = None
+    if hit is not None:
+        return hit
+    if type(placements) is str:  # _REPLICATE_ALL
+        placements = (Replicate(),) * mesh.ndim
+    placements = normalize_placements(placements, ndim, mesh.ndim, "redistribute")
+    plan = None if src.placements == placements else plan_redistribute(src, placements)
+    hit = (src.with_placements(placements), plan)
+    if key is not None and not _is_compiling() and not src.is_symbolic:
+        if len(_TARGETS) >= _TARGETS_MAX:
+            _TARGETS.clear()
+        _TARGETS[key] = hit
+    return hit
+
+
 def _same_mesh(dt, device_mesh, placements, async_op: bool, owned: bool) -> "_dt.DTensor":
     """``dt`` laid out as ``placements`` on its own mesh (the body of Redistribute.forward)."""
     src = dt._spec
-    mesh = src.mesh
-    if device_mesh is not None and device_mesh != mesh:
-        raise ValueError(f"redistribute: cannot move a DTensor from {mesh} to a different mesh {device_mesh}; "
+    if device_mesh is not None and device_mesh is not src.mesh and device_mesh != src.mesh:
+        raise ValueError(f"redistribute: cannot move a DTensor from {src.mesh} to a different mesh {device_mesh}; "
                          "redistribution happens within one mesh")
-    if placements is None:
-        raise ValueError("redistribute: give the target placements")
-    if type(placements) is str:  # _REPLICATE_ALL
-        placements = (Replicate(),) * mesh.ndim
-    placements = normalize_placements(placements, dt.ndim, mesh.ndim, "redistribute")
-    if src.placements == placements:
-        local = dt._local_tensor
-    else:
-        local = redistribute_local(dt._local_tensor, src, placements, async_op=async_op, owned=owned)
-    return _dt.DTensor(local, src.with_placements(placements), requires_grad=False)
+    spec, plan = _target(src, placements, dt.ndim)
+    local = dt._local_tensor
+    if plan is not None:
+        local = run_plan(local, src, plan, async_op=async_op, owned=owned)
+    return _dt.DTensor(local, spec, requires_grad=False)
 
 
 class Redistribute(torch.autograd.Function):

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
 
-from shardprop.mesh import buffer_pool
 from shardprop.mesh import collectives as C
-from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import permute
-from shardprop.tensor.layout import chunk_bounds, is_even, local_shape_and_offset
+from shardprop.tensor import steps as steps_mod
+from shardprop.tensor.layout import is_even
 from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec
 
@@ -66,6 +65,8 @@ class Plan:
     cost: float
     # The collective plan a point-to-point plan stands in for: what runs while torch.compile traces.
     fallback: Optional["Plan"] = None
+    # One slot: the plan prepared for its source spec (steps.Program), filled on first eager run.
+    prepared: list = field(default_factory=lambda: [None], compare=False, hash=False, repr=False)
 
     @property
     def collectives(self) -> Tuple[Step, ...]:
@@ -252,229 +253,33 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst_placements: Tu
     return run_plan(local, src, plan, async_op=async_op, owned=owned)
 
 
+def program_of(local: torch.Tensor, src: DTensorSpec, plan: Plan) -> steps_mod.Program:
+    """The prepared program of ``plan`` for ``local`` (kept on the plan for eager tensors).
+
+    Example:
+        >>> program_of(local, spec, plan).wants_owned  # doctest: +SKIP
+        False
+    """
+    if type(local) is not torch.Tensor and C.is_traced(local):
+        if plan.fallback is not None:  # torch.compile traces the functional collectives, not messages
+            plan = plan.fallback
+        return steps_mod.prepare(src, plan, local.shape)  # per trace, as the arithmetic always ran
+    prog = plan.prepared[0]
+    if prog is not None and prog.src is src and prog.in_shape == local.shape:
+        return prog
+    prog = steps_mod.prepare(src, plan, local.shape)
+    plan.prepared[0] = prog
+    return prog
+
+
 def run_plan(local: torch.Tensor, src: DTensorSpec, plan: Plan, *, async_op: bool = False,
              owned: bool = False) -> torch.Tensor:
-    """Execute ``plan`` on ``local`` (the shard described by ``src``); ``owned`` as in :func:`redistribute_local`."""
-    if 0 in src.tensor_meta.shape:  # nothing to move: just the right empty shard (no numel(): it would specialize symbolic sizes)
-        shape, _ = local_shape_and_offset(src.shape, src.mesh.shape, src.mesh._coord, _final(src, plan))
-        return local.new_empty(shape)
-    if plan.fallback is not None and type(local) is not torch.Tensor and C.is_traced(local):
-        plan = plan.fallback  # torch.compile traces the functional collectives, not messages
-    cur = list(src.placements)
-    last = len(plan.steps) - 1
-    for i, step in enumerate(plan.steps):
-        local = _RUN[step.kind](local, step, cur, src, owned, async_op and i == last)
-        for m, p in zip(step.mesh_dims, step.dst):
-            cur[m] = p
-        owned = owned or COST_FACTOR[step.kind] > 0
-    return local
+    """Execute ``plan`` on ``local`` (the shard described by ``src``); ``owned`` as in :func:`redistribute_local`.
 
-
-def _final(src: DTensorSpec, plan: Plan):
-    cur = list(src.placements)
-    for step in plan.steps:
-        for m, p in zip(step.mesh_dims, step.dst):
-            cur[m] = p
-    return cur
-
-
-def _parent_len(spec: DTensorSpec, cur, m: int, dim: int) -> int:
-    """Extent of ``dim`` that mesh dim ``m`` splits, on this rank (earlier mesh dims applied)."""
-    coord = spec.mesh._coord
-    before = [p if k < m else Replicate() for k, p in enumerate(cur)]
-    return local_shape_and_offset(spec.shape, spec.mesh.shape, coord, before)[0][dim]
-
-
-def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    if t.shape[dim] == size:
-        return t
-    shape = list(t.shape)
-    shape[dim] = size
-    out = buffer_pool.empty(shape, t).zero_() if buffer_pool.plain(t) else t.new_zeros(shape)
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t`` (a plain tensor), into a reused buffer where one is free."""
-    if not buffer_pool.plain(t):  # traced or not CPU: the usual op, graphs unchanged
-        return t.clone(memory_format=torch.contiguous_format)
-    return buffer_pool.empty(t.shape, t).copy_(t)
-
-
-def _run_gather(local, step: Step, cur, spec, owned, async_op):
-    if len(step.mesh_dims) > 1:
-        return _run_fused_gather(local, step, cur, spec, async_op)
-    m = step.mesh_dims[0]
-    d = cur[m].dim
-    k = spec.mesh.shape[m]
-    n = _parent_len(spec, cur, m, d)
-    c = -(-n // k)
-    piece = _pad_to(wait_all(local), d, c).contiguous()
-    if math.prod(piece.shape[:d]) == 1:
-        # The gathered buffer already is the tensor (padding sits at the end): views only.
-        shape = list(piece.shape)
-        shape[d] = n
-
-        def fix(buf, d=d, n=n, shape=piece.shape):
-            full = list(shape)
-            full[d] = k * c
-            return buf.view(full).narrow(d, 0, n)
-    else:
-        shape = list(piece.shape)
-        shape[d] = n
-
-        def fix(buf, d=d, n=n, shape=piece.shape):
-            if n == k * c:
-                b = buf.view(k, *shape).movedim(0, d)
-                merged = list(shape)
-                merged[d] = k * c
-                if not buffer_pool.plain(buf):
-                    return b.reshape(merged)  # the one layout copy
-                out = buffer_pool.empty(merged, buf)  # the one layout copy, into a reused buffer
-                out.view(b.shape).copy_(b)
-                return out
-            # Uneven: each rank's piece, padding dropped, straight into the final layout (still one copy).
-            final = list(shape)
-            final[d] = n
-            out = buffer_pool.empty(final, buf)
-            pieces = buf.view(k, *shape)
-            for r in range(k):
-                off, ln = chunk_bounds(n, k, r)
-                if ln:
-                    out.narrow(d, off, ln).copy_(pieces[r].narrow(d, 0, ln))
-            return out
-    return C.all_gather(piece, spec.mesh, (m,), async_op=async_op, finish=fix, finish_shape=shape)
-
-
-def _run_fused_gather(local, step: Step, cur, spec, async_op):
-    dims = step.mesh_dims
-    piece = wait_all(local).contiguous()
-    ks = [spec.mesh.shape[m] for m in dims]
-    order = []  # output axes: for each tensor dim, the mesh axes sharding it (outermost first), then itself
-    for d in range(piece.ndim):
-        order.extend(i for i, m in enumerate(dims) if cur[m].dim == d)
-        order.append(len(dims) + d)
-    full = list(piece.shape)
-    for i, m in enumerate(dims):
-        full[cur[m].dim] *= ks[i]
-
-    def fix(buf):
-        return buf.view(*ks, *piece.shape).permute(order).reshape(full)
-    return C.all_gather(piece, spec.mesh, dims, async_op=async_op, finish=fix, finish_shape=full)
-
-
-def _run_all_to_all(local, step: Step, cur, spec, owned, async_op):
-    m = step.mesh_dims[0]
-    i, j = step.src[0].dim, step.dst[0].dim
-    k = spec.mesh.shape[m]
-    me = spec.mesh._coord[m]
-    local = wait_all(local)
-    n_i, n_j = spec.shape[i], spec.shape[j]  # no other mesh dim shards i or j (planner's rule)
-    rows_j = [chunk_bounds(n_j, k, r) for r in range(k)]
-    rows_i = [chunk_bounds(n_i, k, r) for r in range(k)]
-    inner = list(local.shape)
-    send_sizes = []
-    if j == 0 and local.is_contiguous():
-        flat_in = local.reshape(-1)
-        row = math.prod(local.shape[1:])
-        send_sizes = [ln * row for _, ln in rows_j]
-    else:
-        flat_in = buffer_pool.empty((local.numel(),), local)
-        o = 0
-        for off, ln in rows_j:
-            piece = local.narrow(j, off, ln)
-            flat_in[o:o + piece.numel()].view(piece.shape).copy_(piece)
-            send_sizes.append(piece.numel())
-            o += piece.numel()
-    shapes = []
-    for _, ln in rows_i:
-        s = list(inner)
-        s[i] = ln
-        s[j] = rows_j[me][1]
-        shapes.append(s)
-    recv_sizes = [math.prod(s) for s in shapes]
-    out_shape = list(inner)
-    out_shape[i] = n_i
-    out_shape[j] = rows_j[me][1]
-
-    def fix(buf):
-        if i == 0:
-            return buf.view(out_shape)
-        parts = torch.split(buf, recv_sizes)
-        views = [p.view(s) for p, s in zip(parts, shapes)]
-        if not buffer_pool.plain(buf):
-            return torch.cat(views, dim=i)
-        return torch.cat(views, dim=i, out=buffer_pool.empty(out_shape, buf))
-    return C.all_to_all(flat_in, spec.mesh, (m,), recv_sizes, send_sizes, async_op=async_op, finish=fix,
-                        finish_shape=out_shape)
-
-
-def _run_reduce_scatter(local, step: Step, cur, spec, owned, async_op):
-    m = step.mesh_dims[0]
-    d = step.dst[0].dim
-    k = spec.mesh.shape[m]
-    me = spec.mesh._coord[m]
-    n = _parent_len(spec, cur, m, d)
-    c = -(-n // k)
-    _, ln = chunk_bounds(n, k, me)
-    x = _pad_to(wait_all(local), d, k * c)
-    pre, post = list(x.shape[:d]), list(x.shape[d + 1:])
-    # The k chunks of dim d stacked on dim 0 (one copy when d != 0): the collective's output is
-    # then this rank's chunk already laid out as the final shard, with no copy after it.
-    buf = x.reshape(pre + [k, c] + post).movedim(d, 0)
-    if d and buffer_pool.plain(buf):
-        buf = _copy(buf)  # the one pack copy, into a reused buffer
-    final = list(local.shape)
-    final[d] = ln
-
-    def fix(out):
-        res = out.view(pre + [c] + post).narrow(d, 0, ln)
-        return res if res.is_contiguous() else _copy(res)  # uneven: drop the padding
-    return C.reduce_scatter(buf, spec.mesh, (m,), step.src[0].reduce_op, async_op=async_op, finish=fix,
-                            finish_shape=final)
-
-
-def _run_all_reduce(local, step: Step, cur, spec, owned, async_op):
-    return C.all_reduce(local, spec.mesh, step.mesh_dims, step.src[0].reduce_op, async_op=async_op, inplace=owned)
-
-
-def _run_chunk(local, step: Step, cur, spec, owned, async_op):
-    m = step.mesh_dims[0]
-    d = step.dst[0].dim
-    n = _parent_len(spec, cur, m, d)
-    off, ln = chunk_bounds(n, spec.mesh.shape[m], spec.mesh._coord[m])
-    local = wait_all(local)
-    piece = local.narrow(d, off, ln)
-    # Never hand back a view of the caller's tensor: an in-place op on the new shard would
-    # silently change the replicated original. A view of a tensor we own (a gathered buffer, a
-    # temporary handed over) is safe, but it keeps all of that memory alive: only where the
-    # piece is at least half of it.
-    if owned and piece.is_contiguous() and 2 * piece.numel() >= local.numel():
-        return piece
-    return _copy(piece)
-
-
-def _run_to_partial(local, step: Step, cur, spec, owned, async_op):
-    m = step.mesh_dims[0]
-    if step.dst[0].reduce_op == "sum" and spec.mesh._coord[m] != 0:
-        return torch.zeros_like(wait_all(local))
-    return local if owned else _copy(wait_all(local))
-
-
-def _run_p2p(local, step: Step, cur, spec, owned, async_op):
-    return permute.run_p2p(local, spec, step.src, step.dst, owned, async_op)
-
-
-_RUN = {
-    "p2p": _run_p2p,
-    "all_gather": _run_gather,
-    "all_to_all": _run_all_to_all,
-    "reduce_scatter": _run_reduce_scatter,
-    "all_reduce": _run_all_reduce,
-    "chunk": _run_chunk,
-    "to_partial": _run_to_partial,
-}
+    Example:
+        >>> run_plan(local, spec, plan_redistribute(spec, (Replicate(),)))  # doctest: +SKIP
+    """
+    return steps_mod.run(program_of(local, src, plan), local, owned, async_op)
 
 
 def transition_cost(src: Placement, dst: Placement, local_bytes: float, k: int) -> float:
