@@ -317,6 +317,7 @@ def test_fsdp_tp_2x2_matches_single_process(reshard):
         assert placements["layers.0.attention_norm.weight"] == "[S(0), R]"
 
 
+@pytest.mark.slow  # the 1-d bf16 test runs in CI; this adds the Llama under dp x tp
 def test_fsdp_tp_2x2_mixed_precision_bf16_within_tolerance():
     ref_losses, ref_params = _reference_2d()
     for losses, params, _ in run_on_ranks(4, _fsdp_tp_train, True, True):

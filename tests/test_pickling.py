@@ -300,7 +300,7 @@ def _whole_model_copy(how: str):
     return problems
 
 
-@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+@pytest.mark.parametrize("how", ["torch.save", pytest.param("deepcopy", marks=pytest.mark.slow)])
 def test_whole_parallelized_model_copies_and_trains(how):
     for problems in run_on_ranks(2, _whole_model_copy, how):
         assert not problems, problems

@@ -39,6 +39,7 @@ def _floor_losses(kind):
     return losses
 
 
+@pytest.mark.slow  # checks bench code; SHARDPROP_SLOW=1 make test runs it
 @pytest.mark.parametrize("kind", ["megatron", "sp"])
 def test_floor_matches_one_process(kind):
     from shardprop.demo.model import LlamaConfig, reference_losses
@@ -89,6 +90,7 @@ def _count_ours():
     return {kind: n for kind, (n, _) in k.counts.items()}
 
 
+@pytest.mark.slow
 def test_sp_floor_communicates_like_tp_plan():
     floor = run_on_ranks(4, _count_calls, "sp")[0]
     ours = run_on_ranks(4, _count_ours)[0]
