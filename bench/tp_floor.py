@@ -77,19 +77,43 @@ class _GatherLast(torch.autograd.Function):
         return grad.narrow(-1, ctx.r * ctx.k, ctx.k).contiguous()
 
 
+def _keep_slice(mod, dim: int) -> None:
+    """Replace ``mod.weight`` by this rank's even slice of it along ``dim`` (pre-sliced, as by hand)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    k = mod.weight.shape[dim] // n
+    mod.weight = torch.nn.Parameter(mod.weight.detach().narrow(dim, r * k, k).clone())
+
+
+def _keep_rows(mod) -> None:
+    _keep_slice(mod, 0)
+
+
+def _keep_cols(mod) -> None:
+    _keep_slice(mod, 1)
+
+
+def _slice_and_hook(model, block_in, row_out) -> None:
+    """Megatron's layout on every block: q/k/v/w1/w3 and the output keep rows, wo/w2 columns; the
+    block inputs and the output projection's input go through ``block_in``, the row-parallel
+    outputs through ``row_out``, and the logits are all-gathered."""
+    for layer in model.layers:
+        att, ffn = layer.attention, layer.feed_forward
+        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):
+            _keep_rows(lin)
+        for lin in (att.wo, ffn.w2):
+            _keep_cols(lin)
+            lin.register_forward_hook(row_out)
+        att.register_forward_pre_hook(block_in)
+        ffn.register_forward_pre_hook(block_in)
+    _keep_rows(model.output)
+    model.output.register_forward_pre_hook(block_in)
+    model.output.register_forward_hook(lambda mod, args, out: _GatherLast.apply(out))
+
+
 def megatron_floor(cfg, seed):
     """The single-process Llama with its weights pre-sliced for this rank and the four comm points hooked."""
     from shardprop.demo.model import Llama
-    n, r = dist.get_world_size(), dist.get_rank()
     model = Llama(cfg, seed)
-
-    def rows(lin):
-        k = lin.weight.shape[0] // n
-        lin.weight = torch.nn.Parameter(lin.weight.detach()[r * k:(r + 1) * k].clone())
-
-    def cols(lin):
-        k = lin.weight.shape[1] // n
-        lin.weight = torch.nn.Parameter(lin.weight.detach()[:, r * k:(r + 1) * k].clone())
 
     def copy_in(mod, args):
         return (_CopyToTP.apply(args[0]),) + tuple(args[1:])
@@ -97,18 +121,7 @@ def megatron_floor(cfg, seed):
     def reduce_out(mod, args, out):
         return _ReduceFromTP.apply(out)
 
-    for layer in model.layers:
-        att, ffn = layer.attention, layer.feed_forward
-        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):
-            rows(lin)
-        for lin in (att.wo, ffn.w2):
-            cols(lin)
-            lin.register_forward_hook(reduce_out)
-        att.register_forward_pre_hook(copy_in)
-        ffn.register_forward_pre_hook(copy_in)
-    rows(model.output)
-    model.output.register_forward_pre_hook(copy_in)
-    model.output.register_forward_hook(lambda mod, args, out: _GatherLast.apply(out))
+    _slice_and_hook(model, copy_in, reduce_out)
     return model
 
 
@@ -169,14 +182,6 @@ def megatron_sp_floor(cfg, seed):
                          f"divisible by the {n} ranks")
     model = Llama(cfg, seed)
 
-    def rows(mod):
-        k = mod.weight.shape[0] // n
-        mod.weight = torch.nn.Parameter(mod.weight.detach()[r * k:(r + 1) * k].clone())
-
-    def cols(lin):
-        k = lin.weight.shape[1] // n
-        lin.weight = torch.nn.Parameter(lin.weight.detach()[:, r * k:(r + 1) * k].clone())
-
     def gather_in(mod, args):
         return (_GatherSeq.apply(args[0]),) + tuple(args[1:])
 
@@ -184,7 +189,7 @@ def megatron_sp_floor(cfg, seed):
         return _ScatterSeq.apply(out)
 
     emb = model.tok_embeddings
-    rows(emb)
+    _keep_rows(emb)
     lo, k = r * emb.weight.shape[0], emb.weight.shape[0]
 
     def embed(tokens):  # the ids this rank holds, zeros elsewhere: a partial sum over ranks
@@ -193,18 +198,7 @@ def megatron_sp_floor(cfg, seed):
         return _ScatterSeq.apply(y.masked_fill(outside.unsqueeze(-1), 0.0))
 
     emb.forward = embed
-    for layer in model.layers:
-        att, ffn = layer.attention, layer.feed_forward
-        for lin in (att.wq, att.wk, att.wv, ffn.w1, ffn.w3):
-            rows(lin)
-        for lin in (att.wo, ffn.w2):
-            cols(lin)
-            lin.register_forward_hook(scatter_out)
-        att.register_forward_pre_hook(gather_in)
-        ffn.register_forward_pre_hook(gather_in)
-    rows(model.output)
-    model.output.register_forward_pre_hook(gather_in)
-    model.output.register_forward_hook(lambda mod, args, out: _GatherLast.apply(out))
+    _slice_and_hook(model, gather_in, scatter_out)
     norms = [m.weight for name, m in model.named_modules() if name.endswith("norm")]
 
     @torch.no_grad()
