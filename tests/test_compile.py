@@ -458,5 +458,6 @@ def test_compiled_optimizer_step_on_dtensor_params():
     _report(run_on_ranks(2, _compiled_optimizer_step, timeout=180))
 
 
+@pytest.mark.slow  # CI time; the whole demo model is compiled in test_demo_blocks_fullgraph_and_whole_model
 def test_dp_tp_whole_model_compiled():
     _report(run_on_ranks(4, _dp_tp_whole_model, timeout=300))

@@ -226,7 +226,7 @@ _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Hea
                  phases=[Phase.explicit, Phase.reuse, Phase.generate], print_blob=True)
 
 
-@pytest.mark.parametrize("mesh_name,examples,batch", [("1d", 15, 60), ("2d", 15, 60), ("3d", 10, 50)])
+@pytest.mark.parametrize("mesh_name,examples,batch", [("1d", 10, 60), ("2d", 10, 60), ("3d", 5, 50)])
 def test_redistribute_roundtrip_property(mesh_name, examples, batch):
     mesh_ndim = len(MESHES[mesh_name][1])
 
