@@ -191,6 +191,8 @@ def _accumulate(p, grad: torch.Tensor, spec) -> bool:
     """Set or add ``grad`` (local, laid out as ``spec``, like ``p``) into ``p.grad``; False to leave it to autograd."""
     g = p.grad
     if g is None:
+        if grad._base is not None:  # a view shares storage with other gradients: .grad must own its memory
+            grad = grad.clone()
         p.grad = DTensor(grad, spec)
         return True
     if type(g) is DTensor and g._spec.placements == spec.placements and g._local_tensor.shape == grad.shape:
