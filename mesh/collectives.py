@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardprop.mesh import buffer_pool
+from shardprop.mesh import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
 # torch 2.13 names the single-buffer collectives *_single and warns on the old
@@ -186,7 +187,7 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
         >>> all_gather(torch.ones(2, 3), mesh, 0).shape  # 4 ranks  # doctest: +SKIP
         torch.Size([8, 3])
     """
-    group, _, n = resolve(mesh, dims)
+    group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
     if _counters:
         _count("all_gather", t)
@@ -194,7 +195,12 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
         out = _functional("all_gather", t if t.ndim else t.reshape(1), group, n)
         return finish(out) if finish is not None else out
     out = buffer_pool.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.ndim else (n,), t)
-    work = _all_gather_flat(out, t, group=group, async_op=async_op)
+    if direct.usable(t, n):
+        work = direct.all_gather(out, t, group, ranks)
+        if not async_op:
+            work.wait()
+    else:
+        work = _all_gather_flat(out, t, group=group, async_op=async_op)
     return _finish(out, work, async_op, finish, finish_shape)
 
 
@@ -208,7 +214,7 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
         >>> reduce_scatter(torch.ones(8, 3), mesh, 0).shape  # 4 ranks  # doctest: +SKIP
         torch.Size([2, 3])
     """
-    group, _, n = resolve(mesh, dims)
+    group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
     if _counters:
         _count("reduce_scatter", t)
@@ -216,6 +222,13 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
         out = _functional("reduce_scatter", t, group, n, op)
         out = out / n if op == "avg" else out
         return finish(out) if finish is not None else out
+    if direct.usable(t, n) and direct.can_reduce(op):
+        work, stacked = direct.reduce_scatter_into(t, group, ranks)
+        after = _then(lambda s: direct.reduce(s, op), _then(_avg(n) if op == "avg" else None, finish))
+        if async_op:
+            return AsyncTensor(work, stacked, after, finish_shape or stacked.shape[1:])
+        work.wait()
+        return after(stacked)
     out = buffer_pool.empty((t.shape[0] // n,) + tuple(t.shape[1:]), t)
     work = _reduce_scatter_flat(out, t, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return _finish(out, work, async_op, _then(_avg(n) if op == "avg" else None, finish), finish_shape)
@@ -257,7 +270,7 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
     Example:
         >>> all_to_all(torch.arange(4.), mesh, 0)  # doctest: +SKIP
     """
-    group, _, n = resolve(mesh, dims)
+    group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
     if _counters:
         _count("all_to_all", t)
@@ -269,6 +282,11 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
     if out is None:
         rows = sum(output_split_sizes) if output_split_sizes is not None else t.shape[0]
         out = buffer_pool.empty((rows,) + tuple(t.shape[1:]), t)
+    if direct.usable(t, n) and out.is_contiguous():
+        work = direct.all_to_all(out, t, group, ranks, output_split_sizes, input_split_sizes)
+        if not async_op:
+            work.wait()
+        return _finish(out, work, async_op, finish, finish_shape)
     work = dist.all_to_all_single(out, t, output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
                                   input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
                                   group=group, async_op=async_op)

@@ -1,0 +1,172 @@
+"""All-gather, reduce-scatter and all-to-all on CPU groups, as one batch of point-to-point messages.
+
+Why: gloo's own collectives copy through temporaries. Its all-gather flattens into a fresh
+buffer of the whole output and copies out of it; a fresh buffer page-faults on every call
+on CPU, where nothing caches freed memory. Measured on this project's machine (4 gloo ranks on
+127.0.0.1, a barrier before each call, medians):
+
+    all-gather of 16 KB / 1 MB / 16 MB / 64 MB: gloo 4.7 / 5.7 / 26 / 223 ms,
+    every rank sending its piece to each peer and receiving theirs straight into
+    the output (this module): 3.6 / 3.6 / 23 / 79 ms.
+
+So on a CPU group each rank sends its piece(s) directly to every peer and receives the peers'
+pieces directly where they belong (the output, or for a reduction one stacked buffer that a
+single ``torch.sum`` reduces). Nothing is flattened or copied by the transport. All-reduce
+keeps gloo's (ring, in place): a direct one measured slower. Groups of more than
+:data:`MAX_GROUP` ranks keep the backend's collectives too (direct messages grow as n²).
+
+The functions take the output already allocated and return the pending work (or None when
+done), so ``collectives.py`` keeps allocation, counting and async handling in one place.
+Set ``SHARDPROP_DIRECT_COLLECTIVES=0`` (or call :func:`set_enabled`) to use the backend's
+collectives everywhere.
+
+Example:
+    >>> if usable(t, n): work = all_gather(out, t, group, ranks)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardprop.mesh import buffer_pool
+
+MAX_GROUP = 16
+# One tag for every message of these collectives: messages between two ranks with one tag are
+# matched in the order they were posted, and every rank posts its collectives in program order.
+TAG = 0x5D1C
+_REDUCE = {"sum": torch.sum, "avg": torch.sum, "max": torch.amax, "min": torch.amin}
+
+_enabled = os.environ.get("SHARDPROP_DIRECT_COLLECTIVES", "1") != "0"
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the direct path on or off (for comparisons); returns the previous setting.
+
+    Example:
+        >>> old = set_enabled(False); set_enabled(old)
+        False
+    """
+    global _enabled
+    old, _enabled = _enabled, bool(on)
+    return old
+
+
+def usable(t: torch.Tensor, n: int) -> bool:
+    """Whether a collective of ``t`` over ``n`` ranks goes point to point (eager CPU tensors, small groups).
+
+    Example:
+        >>> usable(torch.ones(4), 1)
+        False
+    """
+    return _enabled and 1 < n <= MAX_GROUP and buffer_pool.plain(t)
+
+
+class Works:
+    """The messages of one collective, waited on as one."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works) -> None:
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+
+def _me(ranks: Sequence[int]) -> int:
+    return ranks.index(dist.get_rank())
+
+
+def _post(sends, recvs, group) -> Works:
+    ops = [dist.P2POp(dist.isend, t, peer, group, TAG) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group, TAG) for t, peer in recvs]
+    return Works(dist.batch_isend_irecv(ops) if ops else ())  # nothing to move: torch rejects an empty batch
+
+
+def _exchange(pieces_out: Sequence[torch.Tensor], pieces_in: Sequence[torch.Tensor], group, ranks) -> Works:
+    """Send ``pieces_in[j]`` to rank j and receive rank j's into ``pieces_out[j]``; one's own piece is copied.
+
+    Peers are visited in a ring order starting at one's neighbour, so that the ranks do not all
+    send to the same rank first. Empty pieces are not sent (both ends know their sizes).
+    """
+    n = len(ranks)
+    me = _me(ranks)
+    sends, recvs = [], []
+    for k in range(1, n):
+        to, frm = (me + k) % n, (me - k) % n
+        if pieces_in[to].numel():
+            sends.append((pieces_in[to], ranks[to]))
+        if pieces_out[frm].numel():
+            recvs.append((pieces_out[frm], ranks[frm]))
+    works = _post(sends, recvs, group)
+    pieces_out[me].copy_(pieces_in[me])  # while the messages travel
+    return works
+
+
+def all_gather(out: torch.Tensor, t: torch.Tensor, group, ranks: Sequence[int]) -> Works:
+    """Every rank's ``t`` (contiguous, equal shapes) into dim-0 slot of ``out`` by rank order.
+
+    Example:
+        >>> works = all_gather(torch.empty(8, 3), torch.ones(2, 3), group, [0, 1, 2, 3]); works.wait()  # doctest: +SKIP
+    """
+    n = len(ranks)
+    slots = out.view((n,) + tuple(t.shape))
+    return _exchange(slots, [t] * n, group, ranks)
+
+
+def reduce_scatter_into(t: torch.Tensor, group, ranks: Sequence[int]) -> tuple:
+    """Post a reduce-scatter of ``t`` (contiguous, dim 0 in ``n`` equal pieces).
+
+    Returns ``(works, stacked)``: once the works are done, row ``j`` of ``stacked`` holds rank
+    ``j``'s piece for this rank, and :func:`reduce` gives the result.
+
+    Example:
+        >>> works, stacked = reduce_scatter_into(torch.ones(8, 3), group, ranks)  # doctest: +SKIP
+    """
+    n = len(ranks)
+    pieces = t.view((n, t.shape[0] // n) + tuple(t.shape[1:]))
+    stacked = buffer_pool.empty(pieces.shape, t)
+    return _exchange(stacked, pieces, group, ranks), stacked
+
+
+def reduce(stacked: torch.Tensor, op: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``stacked`` reduced over dim 0 with ``op`` (``avg`` is summed here, divided by the caller).
+
+    Example:
+        >>> reduce(torch.ones(4, 2), "sum")
+        tensor([4., 4.])
+    """
+    if out is None:
+        out = buffer_pool.empty(stacked.shape[1:], stacked)
+    return _REDUCE[op](stacked, 0, out=out)
+
+
+def can_reduce(op: str) -> bool:
+    """Whether :func:`reduce` knows ``op``."""
+    return op in _REDUCE
+
+
+def all_to_all(out: torch.Tensor, t: torch.Tensor, group, ranks: Sequence[int],
+               output_split_sizes: Optional[Sequence[int]], input_split_sizes: Optional[Sequence[int]]) -> Works:
+    """Dim-0 slice ``j`` of ``t`` to rank ``j``; rank ``j``'s slice for us into slice ``j`` of ``out``.
+
+    Example:
+        >>> all_to_all(torch.empty(4), torch.arange(4.), group, ranks, None, None).wait()  # doctest: +SKIP
+    """
+    n = len(ranks)
+    return _exchange(_split(out, output_split_sizes, n), _split(t, input_split_sizes, n), group, ranks)
+
+
+def _split(t: torch.Tensor, sizes: Optional[Sequence[int]], n: int) -> List[torch.Tensor]:
+    if sizes is None:
+        return list(t.view((n, t.shape[0] // n) + tuple(t.shape[1:])).unbind(0))
+    return list(t.split(list(sizes), 0))
+
+
+__all__ = ["MAX_GROUP", "Works", "all_gather", "all_to_all", "can_reduce", "reduce", "reduce_scatter_into",
+           "set_enabled", "usable"]
