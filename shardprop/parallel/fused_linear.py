@@ -23,9 +23,9 @@ DTensor code sees the same layouts as before. Parameters stay DTensor ``nn.Param
 the local weight is taken through a one-node autograd path (``grad_sync.ParamLocal``) whose
 backward puts the local gradient into ``param.grad`` as a DTensor laid out like the parameter
 (a ``Partial`` bias gradient joins the end-of-backward all-reduce), so optimizers and
-checkpoints see what they saw. Sequence gathers and reduce-scatters on an even 1-d mesh go
-through ``relayout`` (one flat collective, one layout copy), others through the planner. Every
-collective goes through ``shardprop.mesh.collectives`` (so ``comm_counter()`` counts it); the
+checkpoints see what they saw. Sequence gathers and reduce-scatters go through the planner's
+prepared programs (``redistribute_local``: one lookup, then one flat collective and at most one
+layout copy). Every collective goes through ``shardprop.mesh.collectives`` (so ``comm_counter()`` counts it); the
 local matmuls are not DTensor ops, so ``explain()`` (which records dispatcher ops) does not
 list them. Under ``torch.compile`` the forward runs the DTensor path (traced with no graph break).
 
@@ -44,10 +44,10 @@ from torch import nn
 from shardprop.mesh import collectives as C
 from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.grad_sync import ParamLocal
-from shardprop.parallel.relayout import redistribute, relayout_or_plan
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.redistribute import redistribute_local
 
 _is_compiling = torch.compiler.is_compiling
 _R = (Replicate(),)
@@ -97,7 +97,7 @@ class WrapLocal(torch.autograd.Function):
             return grad, None
         want = ctx.spec.placements
         if grad._spec.placements != want:
-            return relayout_or_plan(grad._local_tensor, grad._spec, want), None
+            return redistribute_local(grad._local_tensor, grad._spec, want), None
         return grad._local_tensor, None
 
 
@@ -148,13 +148,13 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, dst, grad_src, grad_dst):
         ctx.grad_spec, ctx.grad_dst = spec.with_placements(grad_src), grad_dst
-        out = relayout_or_plan(x, spec, dst)
+        out = redistribute_local(x, spec, dst)
         return out.view_as(out) if out is x else out
 
     @staticmethod
     def backward(ctx, grad):
         _forget_input()
-        return relayout_or_plan(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
+        return redistribute_local(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
 
 
 def _spec_of_local(local: torch.Tensor, mesh, placements):
@@ -298,7 +298,7 @@ class FusedLinear:
                 raise ValueError(f"{self.what}: the input DTensor lives on {x._spec.mesh}, the layer's weight on "
                                  f"{mesh}; redistribute it onto the layer's mesh first")
             if x._spec.placements != want:
-                x = redistribute(x, want)
+                x = x.redistribute(placements=want)
             # The gradient of a replicated input of a column-parallel matmul is a partial sum: leave its
             # reduction to whoever made the input (one reduce-scatter for q, k and v together, say).
             spec = x._spec

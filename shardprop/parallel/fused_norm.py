@@ -26,7 +26,6 @@ from torch import nn
 from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.fused_linear import LocalOf, WrapLocal
 from shardprop.parallel.grad_sync import ParamLocal
-from shardprop.parallel.relayout import redistribute
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Shard
 
@@ -73,7 +72,7 @@ class FusedNorm:
             if x._spec.mesh != mesh:
                 return self.hooked(module, x)
             if x._spec.placements != seq:
-                x = redistribute(x, seq)
+                x = x.redistribute(placements=seq)
             shape = x._spec.shape
             xl = _local_of(x, x._spec) if x.requires_grad else x._local_tensor
         else:

@@ -33,7 +33,6 @@ from shardprop.parallel.fused_linear import install
 from shardprop.parallel.fused_norm import install_norm
 from shardprop.parallel.grad_sync import grad_like
 from shardprop.parallel.param_swap import keep_hooks_on_swap
-from shardprop.parallel.relayout import redistribute
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
 
@@ -71,11 +70,10 @@ def to_dtensor(x, mesh, layout: Placement, desired: Optional[Placement]):
     if desired is not None:
         want = _placements_of(desired, x.ndim)
         # Under torch.compile the layout is not read here (the graph cannot hold placements):
-        # redistributing to the same layout is free.
-        if _is_compiling():
+        # redistributing to the same layout is free. Eagerly a repeated change runs the planner's
+        # prepared program (one lookup; see shardprop.tensor.redistribute).
+        if _is_compiling() or x._spec.placements != want:
             x = x.redistribute(placements=want)
-        elif x.placements != want:
-            x = redistribute(x, want)
     return x
 
 

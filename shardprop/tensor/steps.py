@@ -44,6 +44,7 @@ class Program(NamedTuple):
     steps: Tuple[Callable, ...]       # step(local, owned, async_op) -> new local
     moves: Tuple[bool, ...]           # whether step i hands back a buffer of ours
     wants_owned: bool                 # whether a caller's handed-over tensor can be used at all
+    call: Callable                    # call(local, owned, async_op) -> new local: the whole program
 
 
 def prepare(src, plan, in_shape) -> Program:
@@ -55,7 +56,10 @@ def prepare(src, plan, in_shape) -> Program:
     in_shape = tuple(in_shape)
     if 0 in src.tensor_meta.shape:  # nothing to move: the right empty shard (no numel(): symbolic sizes)
         shape, _ = local_shape_and_offset(src.shape, src.mesh.shape, src.mesh._coord, _final(src, plan))
-        return Program(src, in_shape, (lambda local, owned, async_op: local.new_empty(shape),), (True,), False)
+
+        def empty(local, owned, async_op):
+            return local.new_empty(shape)
+        return Program(src, torch.Size(in_shape), (empty,), (True,), False, empty)
     cur = list(src.placements)
     shape = in_shape
     steps, moves = [], []
@@ -68,7 +72,27 @@ def prepare(src, plan, in_shape) -> Program:
         moves.append(step.kind in MOVES)
         for m, p in zip(step.mesh_dims, step.dst):
             cur[m] = p
-    return Program(src, in_shape, tuple(steps), tuple(moves), wants)
+    steps, moves = tuple(steps), tuple(moves)
+    # The common one-step program is its step itself: running it costs one call.
+    call = steps[0] if len(steps) == 1 else _chain(steps, moves)
+    # A torch.Size: comparing it with a local tensor's shape is one C-level tuple comparison.
+    return Program(src, torch.Size(in_shape), steps, moves, wants, call)
+
+
+def _chain(steps, moves) -> Callable:
+    """The steps run one after the other (none: the local tensor as is)."""
+    if not steps:
+        def nothing(local, owned, async_op):
+            return local
+        return nothing
+    last = len(steps) - 1
+
+    def chain(local, owned, async_op):
+        for i, fn in enumerate(steps):
+            local = fn(local, owned, async_op and i == last)
+            owned = owned or moves[i]
+        return local
+    return chain
 
 
 def run(prog: Program, local: torch.Tensor, owned: bool, async_op: bool) -> torch.Tensor:
@@ -77,14 +101,7 @@ def run(prog: Program, local: torch.Tensor, owned: bool, async_op: bool) -> torc
     Example:
         >>> run(prog, local, False, False)  # doctest: +SKIP
     """
-    steps = prog.steps
-    if len(steps) == 1:
-        return steps[0](local, owned, async_op)
-    last = len(steps) - 1
-    for i, fn in enumerate(steps):
-        local = fn(local, owned, async_op and i == last)
-        owned = owned or prog.moves[i]
-    return local
+    return prog.call(local, owned, async_op)
 
 
 def _final(src, plan):
@@ -125,16 +142,17 @@ COPY_POOL_MIN = 4 << 20
 
 def copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` (a plain tensor), into a reused buffer where one is free and big."""
-    if not buffer_pool.plain(t) or t.numel() * t.element_size() < COPY_POOL_MIN:
+    # An eager tensor's size first: most copies are small, and then plain() need not be asked.
+    if (type(t) is torch.Tensor and t.numel() * t.element_size() < COPY_POOL_MIN) or not buffer_pool.plain(t):
         return t.clone(memory_format=torch.contiguous_format)  # traced: the usual op, graphs unchanged
     return buffer_pool.empty(t.shape, t).copy_(t)
 
 
 def _into(shape, b: torch.Tensor) -> torch.Tensor:
     """``b`` (a permuted view) copied into a new contiguous tensor of ``shape`` (same elements)."""
-    if not buffer_pool.plain(b):
-        return b.reshape(shape)  # the one layout copy
-    out = buffer_pool.empty(shape, b)  # the one layout copy, into a reused buffer
+    if type(b) is not torch.Tensor:
+        return b.reshape(shape)  # the one layout copy (traced: the usual op, graphs unchanged)
+    out = buffer_pool.empty(shape, b)  # the one layout copy, into a reused buffer where the pool allows
     out.view(b.shape).copy_(b)
     return out
 
@@ -288,6 +306,9 @@ def _prep_reduce_scatter(step, cur, spec, shape):
     if d == 0:
         # Dim 0 is already in collective order: the output is (c, ...), the final shard when even.
         fix = None if ln == c else (lambda out: out.narrow(0, 0, ln))  # uneven: a view without the padding
+    elif ln == c and not pad:
+        def fix(out):
+            return out.view(mine)  # even: the output is this rank's chunk, laid out already
     else:
         def fix(out):
             res = out.view(mine).narrow(d, 0, ln)
@@ -299,8 +320,8 @@ def _prep_reduce_scatter(step, cur, spec, shape):
             x = pad_to(x, d, padded)
         if d:
             x = x.reshape(stacked).movedim(d, 0)
-            if buffer_pool.plain(x):
-                x = copy(x)  # the one pack copy, into a reused buffer
+            if type(x) is torch.Tensor:  # eager; traced, the collective's contiguous() is the copy
+                x = copy(x)  # the one pack copy, into a reused buffer where big
         return C.reduce_scatter(x, mesh, dims, op, async_op=async_op, finish=fix, finish_shape=final)
     return reduce_scatter, tuple(final)
 
