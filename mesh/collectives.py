@@ -34,6 +34,7 @@ _REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
 }
 
+_AB_NEW = True  # TEMP for A/B
 MeshDims = Union[int, str, Tuple[int, ...]]
 
 # The counters now active (a nested counter counts too); empty means "count nothing".
@@ -262,15 +263,31 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
 
 def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Optional[Sequence[int]] = None,
                input_split_sizes: Optional[Sequence[int]] = None, *, out: Optional[torch.Tensor] = None,
-               async_op: bool = False, finish=None, finish_shape=None) -> torch.Tensor:
+               async_op: bool = False, finish=None, finish_shape=None, views=None) -> torch.Tensor:
     """Send dim-0 slice i of ``t`` to rank i of the group; receive into one tensor.
 
     Split sizes count dim-0 rows; None means equal splits.
 
+    ``views=(outs, ins)`` (only where :func:`views_usable`; ``out`` given): the pieces are views
+    of any strides, ``ins[j]`` (of ``t``) to rank ``j`` and rank ``j``'s piece into ``outs[j]``
+    (of ``out``). Nothing packs the whole input: each peer's piece is packed right before it is
+    sent (packing the next overlaps the previous one travelling), one's own piece is copied
+    straight from ``ins`` into ``outs``, and pieces whose place in ``out`` is one run of memory are
+    received in place. Split sizes are then unused.
+
     Example:
         >>> all_to_all(torch.arange(4.), mesh, 0)  # doctest: +SKIP
+        >>> out = torch.empty(8, 2)  # S(0) -> S(1) of an (8, 8) tensor on 4 ranks  # doctest: +SKIP
+        >>> all_to_all(local, mesh, 0, out=out, views=(out.chunk(4), local.chunk(4, 1)))  # doctest: +SKIP
     """
     group, ranks, n = resolve(mesh, dims)
+    if views is not None:
+        if _counters:
+            _count("all_to_all", t)
+        work = direct.all_to_all_views(views[0], views[1], group, ranks)
+        if not async_op:
+            work.wait()
+        return _finish(out, work, async_op, finish, finish_shape)
     t = wait_all(t).contiguous()
     if _counters:
         _count("all_to_all", t)
@@ -291,6 +308,21 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
                                   input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
                                   group=group, async_op=async_op)
     return _finish(out, work, async_op, finish, finish_shape)
+
+
+def views_usable(t: torch.Tensor, mesh, dims: MeshDims) -> bool:
+    """Whether :func:`all_to_all` can move pieces of ``t`` given as ``views`` (an eager CPU tensor, a small group).
+
+    Example:
+        >>> views_usable(local, mesh, 0)  # doctest: +SKIP
+        True
+    """
+    if not isinstance(dims, tuple):
+        dims = (mesh.dim_index(dims),)
+    n = 1
+    for d in dims:
+        n *= mesh.shape[d]
+    return direct.usable(t, n)
 
 
 def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: bool = False) -> torch.Tensor:
@@ -410,15 +442,20 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
 
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tuple[torch.Tensor, int, int]], group,
               result: torch.Tensor, *, async_op: bool = False, finish=None, finish_shape=None,
-              meanwhile=None) -> torch.Tensor:
-    """Send and receive pieces point to point, all in one ``batch_isend_irecv``; return ``result``.
+              keep: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+    """Send and receive pieces point to point; return ``result``.
 
-    ``sends`` and ``recvs`` hold ``(tensor, peer, tag)`` with ``peer`` a global rank and ``tag``
+    ``sends`` and ``recvs`` hold ``(view, peer, tag)`` with ``peer`` a global rank and ``tag``
     the same number on both ends of a message; ``group`` is the process group they travel on
-    (:func:`p2p_group` of a mesh; None: the default group, e.g. between two meshes). Receive buffers are written in place (views of
-    ``result`` where the piece is one run of its memory); ``finish`` (e.g. copying pieces
-    received elsewhere) runs once every message arrived; ``meanwhile`` (local work that touches no
-    buffer of a message) runs right after the messages are posted. Counted as ``send`` and ``recv``.
+    (:func:`p2p_group` of a mesh; None: the default group, e.g. between two meshes). Views may be
+    strided: a receive lands in place where its view is one run of memory (views of ``result``),
+    else in a buffer copied into the view once it arrived; a strided send is packed first.
+    ``keep`` holds ``(src, dst)`` local copies (a piece that stays on this rank; it must touch no
+    buffer of a message), done while the messages travel. ``finish`` runs once everything
+    arrived. Counted as ``send`` and ``recv``.
+
+    On eager CPU tensors (:func:`direct_collectives.exchange`) receives are posted first and each
+    send is packed right before it goes; elsewhere one ``batch_isend_irecv`` moves them.
 
     Example:
         >>> out = torch.empty(4)  # doctest: +SKIP
@@ -429,12 +466,27 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
             _count("send", t)
         for t, _, _ in recvs:
             _count("recv", t)
-    ops = [dist.P2POp(dist.isend, _packed(t), peer, group, tag) for t, peer, tag in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer, tag in recvs]
+    if _AB_NEW and direct.usable(result, 2):
+        work = direct.exchange(sends, recvs, group, keep)
+        if not async_op:
+            work.wait()
+        return _finish(result, work, async_op, finish, finish_shape)
+    scattered, posted = [], []
+    for t, peer, tag in recvs:
+        if not t.is_contiguous():  # received whole, copied into place after
+            buf = buffer_pool.empty(t.shape, t) if buffer_pool.plain(t) else t.new_empty(t.shape)
+            scattered.append((t, buf))
+            t = buf
+        posted.append(dist.P2POp(dist.irecv, t, peer, group, tag))
+    ops = [dist.P2POp(dist.isend, _packed(t), peer, group, tag) for t, peer, tag in sends] + posted
     work = _AllWork(dist.batch_isend_irecv(ops) if ops else [])
-    if meanwhile is not None:
-        meanwhile()
-    if async_op:
-        return AsyncTensor(work, result, finish, finish_shape)
-    work.wait()
-    return finish(result) if finish is not None else result
+    for src, dst in keep:
+        dst.copy_(src)
+    if not async_op:
+        work.wait()
+    if scattered:
+        def finish(res, then=finish):
+            for view, buf in scattered:
+                view.copy_(buf)
+            return then(res) if then is not None else res
+    return _finish(result, work, async_op, finish, finish_shape)

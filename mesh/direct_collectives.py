@@ -162,11 +162,93 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, group, ranks: Sequence[int],
     return _exchange(_split(out, output_split_sizes, n), _split(t, input_split_sizes, n), group, ranks)
 
 
+class Pending(Works):
+    """The messages of one :func:`exchange`: waiting also moves pieces that landed in a buffer into place.
+
+    Receives are waited on in the order they were posted and each piece that could not be
+    received in place is copied into its view as soon as it is in, while later ones travel.
+    """
+
+    __slots__ = ("_recvs",)
+
+    def __init__(self, recvs, sends) -> None:
+        super().__init__(sends)
+        self._recvs = recvs
+
+    def wait(self, timeout=None) -> bool:
+        recvs, self._recvs = self._recvs, ()
+        for work, view, buf in recvs:
+            work.wait() if timeout is None else work.wait(timeout)
+            if view is not None:
+                view.copy_(buf)
+        return super().wait(timeout)
+
+
+def _staged(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous buffer of ``view``'s shape (reused memory for big eager ones)."""
+    return buffer_pool.empty(view.shape, view) if buffer_pool.plain(view) else view.new_empty(view.shape)
+
+
+def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequence[tuple] = ()) -> Pending:
+    """Move pieces that may be strided views: receives posted first, each send packed just before it goes.
+
+    ``sends`` and ``recvs`` hold ``(view, peer, tag)`` (``peer`` a global rank; both ends give a
+    message the same tag). A receive whose view is one run of memory lands in place, any other in
+    a buffer copied into the view on ``wait``. A send that is not contiguous is packed into a buffer
+    right before its ``isend``, so packing the next piece overlaps the previous one travelling, and
+    the receives posted first let each message flow as soon as it is sent. ``keep`` holds
+    ``(src, dst)`` views copied locally after the sends are posted: one's own piece is never packed
+    nor sent. Empty pieces are not sent (both ends know their sizes).
+
+    Example:
+        >>> w = exchange([(x[:, :2], 1, 0)], [(out[2:], 1, 0)], None, [(x[:, 2:], out[:2])])  # doctest: +SKIP
+        >>> w.wait()  # doctest: +SKIP
+        True
+    """
+    posted = []
+    for view, peer, tag in recvs:
+        if not view.numel():
+            continue
+        if view.is_contiguous():
+            posted.append((dist.irecv(view, peer, group, tag), None, None))
+        else:
+            buf = _staged(view)
+            posted.append((dist.irecv(buf, peer, group, tag), view, buf))
+    sent = []
+    for view, peer, tag in sends:
+        if not view.numel():
+            continue
+        buf = view if view.is_contiguous() else _staged(view).copy_(view)
+        sent.append(dist.isend(buf, peer, group, tag))  # the work holds ``buf`` until it left
+    for src, dst in keep:
+        dst.copy_(src)
+    return Pending(posted, sent)
+
+
+def all_to_all_views(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], group,
+                     ranks: Sequence[int]) -> Pending:
+    """``ins[j]`` to rank ``j``, rank ``j``'s piece for us into ``outs[j]``; views of any strides.
+
+    One's own piece is copied from ``ins`` to ``outs`` directly. Peers are visited in a ring
+    order starting at one's neighbour, so that the ranks do not all send to the same rank first.
+
+    Example:
+        >>> x = torch.arange(16.).view(4, 4); out = torch.empty(16, 1)  # doctest: +SKIP
+        >>> all_to_all_views(list(out.chunk(4)), list(x.chunk(4, 1)), group, ranks).wait()  # doctest: +SKIP
+        True
+    """
+    n = len(ranks)
+    me = _me(ranks)
+    sends = [(ins[(me + k) % n], ranks[(me + k) % n], TAG) for k in range(1, n)]
+    recvs = [(outs[(me - k) % n], ranks[(me - k) % n], TAG) for k in range(1, n)]
+    return exchange(sends, recvs, group, ((ins[me], outs[me]),))
+
+
 def _split(t: torch.Tensor, sizes: Optional[Sequence[int]], n: int) -> List[torch.Tensor]:
     if sizes is None:
         return list(t.view((n, t.shape[0] // n) + tuple(t.shape[1:])).unbind(0))
     return list(t.split(list(sizes), 0))
 
 
-__all__ = ["MAX_GROUP", "Works", "all_gather", "all_to_all", "can_reduce", "reduce", "reduce_scatter_into",
-           "set_enabled", "usable"]
+__all__ = ["MAX_GROUP", "Pending", "Works", "all_gather", "all_to_all", "all_to_all_views", "can_reduce", "exchange",
+           "reduce", "reduce_scatter_into", "set_enabled", "usable"]

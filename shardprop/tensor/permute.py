@@ -119,30 +119,18 @@ def run_p2p(local: torch.Tensor, spec, cur, dst, owned: bool, async_op: bool) ->
     local = wait_all(local)
     prog = _program(tuple(spec.shape), mesh, tuple(cur), tuple(dst), dist.get_rank())
     sends = [(narrow(local, box), peer, tag) for box, peer, tag in prog.sends]
-    keep = None
+    keep = ()
     if prog.whole and owned and local.is_contiguous():
         out = local  # nothing arrives: the shard is the input, which nobody else holds
     else:
         out = buffer_pool.empty(prog.out_shape, local)
         if prog.keep is not None:  # copied while the messages travel (it writes no received piece)
-            def keep(out=out, to=prog.keep[1], frm=prog.keep[0]):
-                narrow(out, to).copy_(narrow(local, frm))
-    recvs, scattered = [], []
-    for box, peer, tag in prog.recvs:
-        view = narrow(out, box)
-        if view.is_contiguous():  # receive in place when the piece is one run of memory
-            recvs.append((view, peer, tag))
-        else:
-            buf = buffer_pool.empty(box[1], local)
-            recvs.append((buf, peer, tag))
-            scattered.append((view, buf))
-
-    def finish(res):
-        for view, buf in scattered:
-            view.copy_(buf)
-        return res
-    return C.send_recv(sends, recvs, C.p2p_group(mesh), out, async_op=async_op, finish=finish if scattered else None,
-                       finish_shape=prog.out_shape, meanwhile=keep)
+            keep = ((narrow(local, prog.keep[0]), narrow(out, prog.keep[1])),)
+    # Pieces are views (strided ones are packed before they are sent, or received in a buffer
+    # and copied into place): collectives.send_recv does that per message.
+    recvs = [(narrow(out, box), peer, tag) for box, peer, tag in prog.recvs]
+    return C.send_recv(sends, recvs, C.p2p_group(mesh), out, async_op=async_op, finish_shape=prog.out_shape,
+                       keep=keep)
 
 
 def moved_bytes_per_rank(shape, mesh, cur, dst, itemsize: int):
