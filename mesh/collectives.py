@@ -34,7 +34,6 @@ _REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
 }
 
-_AB_NEW = True  # TEMP for A/B
 MeshDims = Union[int, str, Tuple[int, ...]]
 
 # The counters now active (a nested counter counts too); empty means "count nothing".
@@ -454,8 +453,9 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
     buffer of a message), done while the messages travel. ``finish`` runs once everything
     arrived. Counted as ``send`` and ``recv``.
 
-    On eager CPU tensors (:func:`direct_collectives.exchange`) receives are posted first and each
-    send is packed right before it goes; elsewhere one ``batch_isend_irecv`` moves them.
+    On eager CPU tensors :func:`direct_collectives.exchange` posts them (each strided send packed
+    right before it goes, strided receives staged in one pooled buffer); elsewhere one
+    ``batch_isend_irecv`` moves them.
 
     Example:
         >>> out = torch.empty(4)  # doctest: +SKIP
@@ -466,8 +466,10 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
             _count("send", t)
         for t, _, _ in recvs:
             _count("recv", t)
-    if _AB_NEW and direct.usable(result, 2):
-        work = direct.exchange(sends, recvs, group, keep)
+    if direct.usable(result, 2):
+        # One message each way per pair here: posting the receives after the sends measured as
+        # fast or faster (receives first: 1.1-1.3x at 1 MB on [S(0),S(0)] -> [S(0),S(1)] 2x2).
+        work = direct.exchange(sends, recvs, group, keep, recvs_first=False)
         if not async_op:
             work.wait()
         return _finish(result, work, async_op, finish, finish_shape)

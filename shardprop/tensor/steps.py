@@ -268,7 +268,7 @@ def _prep_all_to_all(step, cur, spec, shape):
 
     def all_to_all(local, owned, async_op):
         local = wait_all(local)
-        if C._AB_NEW and C.views_usable(local, mesh, dims):
+        if C.views_usable(local, mesh, dims):
             # Each peer's piece packed right before it is sent, one's own copied straight into
             # place, pieces received in place where their rows of ``out`` are one run (i == 0).
             out = buffer_pool.empty(out_shape, local)
