@@ -189,12 +189,14 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
+    if not t.ndim:  # a 0-d piece gathers into a 1-d tensor (the backends want matching ranks)
+        t = t.reshape(1)
     if _counters:
         _count("all_gather", t)
     if type(t) is not torch.Tensor and is_traced(t):
-        out = _functional("all_gather", t if t.ndim else t.reshape(1), group, n)
+        out = _functional("all_gather", t, group, n)
         return finish(out) if finish is not None else out
-    out = buffer_pool.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.ndim else (n,), t)
+    out = buffer_pool.empty((n * t.shape[0],) + tuple(t.shape[1:]), t)
     if direct.usable(t, n):
         work = direct.all_gather(out, t, group, ranks)
         if not async_op:
