@@ -243,13 +243,25 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     Example:
         >>> all_reduce(torch.ones(3), mesh, 0)  # 4 ranks -> tensor([4., 4., 4.])  # doctest: +SKIP
     """
-    group, _, n = resolve(mesh, dims)
+    group, ranks, n = resolve(mesh, dims)
     t = wait_all(t)
     if type(t) is not torch.Tensor and is_traced(t):
         if _counters:
             _count("all_reduce", t)
         out = _functional("all_reduce", t.contiguous(), group, n, op)
         return out / n if op == "avg" else out
+    if direct.usable(t, n) and direct.small_all_reduce(t, n, op):
+        # One round of messages; ``t`` is only read, so no copy of a tensor the caller keeps.
+        t = t.contiguous()
+        if _counters:
+            _count("all_reduce", t)
+        out = t if inplace else buffer_pool.empty_like(t)
+        work, stacked = direct.all_reduce_into(t, group, ranks)
+        after = _then(lambda s: direct.reduce(s, op, out), _avg(n) if op == "avg" else None)
+        if async_op:
+            return AsyncTensor(work, stacked, after, t.shape)
+        work.wait()
+        return after(stacked)
     if inplace and t.is_contiguous():
         out = t
     elif buffer_pool.plain(t):

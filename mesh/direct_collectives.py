@@ -12,7 +12,8 @@ on CPU, where nothing caches freed memory. Measured on this project's machine (4
 So on a CPU group each rank sends its piece(s) directly to every peer and receives the peers'
 pieces directly where they belong (the output, or for a reduction one stacked buffer that a
 single ``torch.sum`` reduces). Nothing is flattened or copied by the transport. All-reduce
-keeps gloo's (ring, in place): a direct one measured slower. Groups of more than
+keeps gloo's (ring, in place) except for small tensors, where one round of direct messages
+beats the ring's 2(n-1) steps (:func:`small_all_reduce`). Groups of more than
 :data:`MAX_GROUP` ranks keep the backend's collectives too (direct messages grow as n²).
 
 The functions take the output already allocated and return the pending work (or None when
@@ -37,6 +38,8 @@ MAX_GROUP = 16
 # One tag for every message of these collectives: messages between two ranks with one tag are
 # matched in the order they were posted, and every rank posts its collectives in program order.
 TAG = 0x5D1C
+# Direct all-reduce up to this many bytes sent per rank ((n - 1) x the tensor): 768 KB is 256 KB on 4 ranks.
+SMALL_ALL_REDUCE_BYTES = 768 << 10
 _REDUCE = {"sum": torch.sum, "avg": torch.sum, "max": torch.amax, "min": torch.amin}
 
 _enabled = os.environ.get("SHARDPROP_DIRECT_COLLECTIVES", "1") != "0"
@@ -134,6 +137,35 @@ def reduce_scatter_into(t: torch.Tensor, group, ranks: Sequence[int]) -> tuple:
     return _exchange(stacked, pieces, group, ranks), stacked
 
 
+def small_all_reduce(t: torch.Tensor, n: int, op: str) -> bool:
+    """Whether an all-reduce of ``t`` over ``n`` ranks is cheaper direct (latency-bound sizes).
+
+    A direct all-reduce sends the whole tensor to every peer ((n-1) times its bytes, against
+    about twice for gloo's ring) in one round instead of the ring's 2(n-1) steps: measured on
+    4 ranks it is 1.3-2x faster up to 256 KB and slower from 1 MB.
+
+    Example:
+        >>> small_all_reduce(torch.ones(4), 4, "sum")
+        True
+    """
+    return (n - 1) * t.numel() * t.element_size() <= SMALL_ALL_REDUCE_BYTES and op in _REDUCE
+
+
+def all_reduce_into(t: torch.Tensor, group, ranks: Sequence[int]) -> tuple:
+    """Post a direct all-reduce of ``t`` (contiguous): every rank's whole ``t`` to every peer.
+
+    Returns ``(works, stacked)``: once the works are done, row ``j`` of ``stacked`` is rank
+    ``j``'s ``t`` and :func:`reduce` gives the result. ``t`` itself is only read (it may be
+    the output of that reduction once the works are done).
+
+    Example:
+        >>> works, stacked = all_reduce_into(torch.ones(3), group, ranks)  # doctest: +SKIP
+    """
+    n = len(ranks)
+    stacked = buffer_pool.empty((n,) + tuple(t.shape), t)
+    return _exchange(stacked, [t] * n, group, ranks), stacked
+
+
 def reduce(stacked: torch.Tensor, op: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``stacked`` reduced over dim 0 with ``op`` (``avg`` is summed here, divided by the caller).
 
@@ -168,5 +200,5 @@ def _split(t: torch.Tensor, sizes: Optional[Sequence[int]], n: int) -> List[torc
     return list(t.split(list(sizes), 0))
 
 
-__all__ = ["MAX_GROUP", "Works", "all_gather", "all_to_all", "can_reduce", "reduce", "reduce_scatter_into",
-           "set_enabled", "usable"]
+__all__ = ["MAX_GROUP", "Works", "all_gather", "all_reduce_into", "all_to_all", "can_reduce", "reduce",
+           "reduce_scatter_into", "set_enabled", "small_all_reduce", "usable"]

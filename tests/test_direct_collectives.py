@@ -1,7 +1,7 @@
 """CPU collectives as direct point-to-point messages (``mesh/direct_collectives.py``).
 
-On 4 gloo ranks, ``mesh.collectives``' all-gather, reduce-scatter (sum, avg, max, min) and
-all-to-all (even, uneven and empty splits), sync and async, on the whole mesh and on each dim
+On 4 gloo ranks, ``mesh.collectives``' all-gather, reduce-scatter (sum, avg, max, min),
+small all-reduce (in place or not) and all-to-all (even, uneven and empty splits), sync and async, on the whole mesh and on each dim
 of a 2x2 mesh (groups whose ranks do not start at 0), against plain torch on the full data.
 While the direct path is on, gloo's own collectives for these three are replaced by functions
 that raise, so a test passes only if the messages did the work; with it off, the same calls
@@ -18,17 +18,17 @@ from tests.rankpool import run_on_ranks
 
 @contextlib.contextmanager
 def _gloo_collectives_forbidden():
-    """gloo's all-gather / reduce-scatter / all-to-all raise inside this block (this rank only)."""
+    """gloo's all-gather / reduce-scatter / all-to-all / all-reduce raise inside this block (this rank only)."""
     from shardprop.mesh import collectives as C
 
     def forbidden(*a, **k):
         raise AssertionError("the backend's collective ran although the direct path is on")
-    saved = C._all_gather_flat, C._reduce_scatter_flat, dist.all_to_all_single
-    C._all_gather_flat = C._reduce_scatter_flat = dist.all_to_all_single = forbidden
+    saved = C._all_gather_flat, C._reduce_scatter_flat, dist.all_to_all_single, dist.all_reduce
+    C._all_gather_flat = C._reduce_scatter_flat = dist.all_to_all_single = dist.all_reduce = forbidden
     try:
         yield
     finally:
-        C._all_gather_flat, C._reduce_scatter_flat, dist.all_to_all_single = saved
+        C._all_gather_flat, C._reduce_scatter_flat, dist.all_to_all_single, dist.all_reduce = saved
 
 
 def _groups():
@@ -72,6 +72,19 @@ def _check_all(direct_on: bool):
                         full = fn(torch.stack([_rank_data((2 * n, 3), r, 1) for r in range(n)]))
                         torch.testing.assert_close(got, full.chunk(n)[me])
                         checked += 1
+                    # all-reduce of a small tensor (direct: one round), into a new tensor or in place
+                    for op, fn in [("sum", lambda s: s.sum(0)), ("avg", lambda s: s.mean(0)),
+                                   ("max", lambda s: s.amax(0))]:
+                        for inplace in (False, True):
+                            mine = _rank_data((5, 3), me, 4)
+                            kept = mine.clone()
+                            got = C.all_reduce(mine, mesh, dims, op, async_op=async_op, inplace=inplace)
+                            got = got.wait() if async_op else got
+                            want = fn(torch.stack([_rank_data((5, 3), r, 4) for r in range(n)]))
+                            torch.testing.assert_close(got, want)
+                            # in place: the caller's tensor holds the result; else it is left alone
+                            torch.testing.assert_close(mine, want if inplace else kept)
+                            checked += 1
                     # all-to-all, even splits: dim-0 slice j goes to rank j
                     got = C.all_to_all(_rank_data((n * 2, 3), me, 2), mesh, dims, async_op=async_op)
                     got = got.wait() if async_op else got
@@ -102,13 +115,14 @@ def _comm_counts_unchanged():
         old = direct.set_enabled(on)
         try:
             with comm_counter() as k:
+                C.all_reduce(torch.ones(2, 3), mesh, (0,))
                 C.all_gather(torch.ones(2, 3), mesh, (0,))
                 C.reduce_scatter(torch.ones(8, 3), mesh, (0,))
                 C.all_to_all(torch.ones(8, 3), mesh, (0,))
             seen.append(dict(k.counts))
         finally:
             direct.set_enabled(old)
-    assert seen[0] == seen[1] and set(seen[0]) == {"all_gather", "reduce_scatter", "all_to_all"}, seen
+    assert seen[0] == seen[1] and set(seen[0]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}, seen
     return True
 
 
