@@ -81,14 +81,32 @@ class Works:
         return True
 
 
-def _me(ranks: Sequence[int]) -> int:
-    return ranks.index(dist.get_rank())
+# (group, ranks) -> (this rank's index in ranks, each index's rank within the group): the group's own
+# numbering, translated once (a mesh lists each dim's ranks ascending, so today these are equal).
+_layout: dict = {}
+
+
+def _group_layout(group, ranks: Sequence[int]) -> tuple:
+    key = (group, tuple(ranks))
+    hit = _layout.get(key)
+    if hit is None:
+        if len(_layout) > 1024:
+            _layout.clear()
+        hit = _layout[key] = (ranks.index(dist.get_rank()),
+                              tuple(dist.get_group_rank(group, r) for r in ranks))
+    return hit
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _post(sends, recvs, group) -> Works:
-    ops = [dist.P2POp(dist.isend, t, peer, group, TAG) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group, TAG) for t, peer in recvs]
-    return Works(dist.batch_isend_irecv(ops) if ops else ())  # nothing to move: torch rejects an empty batch
+    # The process group's own send/recv (torch's isend/irecv minus their per-call checks), receives
+    # first so that arriving data lands in its buffer. ``peer`` is the rank within the group.
+    works = [group.recv([_wire(t)], peer, TAG) for t, peer in recvs]
+    works += [group.send([_wire(t)], peer, TAG) for t, peer in sends]
+    return Works(works)
 
 
 def _exchange(pieces_out: Sequence[torch.Tensor], pieces_in: Sequence[torch.Tensor], group, ranks) -> Works:
@@ -98,14 +116,14 @@ def _exchange(pieces_out: Sequence[torch.Tensor], pieces_in: Sequence[torch.Tens
     send to the same rank first. Empty pieces are not sent (both ends know their sizes).
     """
     n = len(ranks)
-    me = _me(ranks)
+    me, peer = _group_layout(group, ranks)
     sends, recvs = [], []
     for k in range(1, n):
         to, frm = (me + k) % n, (me - k) % n
         if pieces_in[to].numel():
-            sends.append((pieces_in[to], ranks[to]))
+            sends.append((pieces_in[to], peer[to]))
         if pieces_out[frm].numel():
-            recvs.append((pieces_out[frm], ranks[frm]))
+            recvs.append((pieces_out[frm], peer[frm]))
     works = _post(sends, recvs, group)
     pieces_out[me].copy_(pieces_in[me])  # while the messages travel
     return works

@@ -147,3 +147,4 @@ def test_usable_only_for_eager_cpu_groups():
         assert not direct.usable(torch.ones(3), 4)
     finally:
         direct.set_enabled(old)
+
