@@ -8,6 +8,11 @@ of a float32 global tensor, at each size (1, 16 and 64 MB by default), it times
 * raw:       the bare c10d collective that moves the same bytes (the floor); for
              permutation transitions (each rank needs at most one other rank's piece)
              the floor is one ``batch_isend_irecv`` of exactly the needed bytes
+* direct:    the same bytes as raw moved by direct point-to-point messages, by hand on
+             preallocated buffers (every rank sends its pieces straight to every peer): on
+             CPU this beats gloo's all-gather / reduce-scatter / all-to-all, which copy
+             through temporaries, so it is the lower floor a hand-written program reaches;
+             the same as raw for the other rows. Shown for the reader; the targets use raw
 * alloc:     raw, but allocating its output on every call as any redistribution must
              (and copying a Partial input first, which a caller still holds): shown for
              the reader, to tell allocation (page faults of fresh buffers, large on CPU
@@ -36,7 +41,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,7 +54,7 @@ DIM0_TARGET = 1.10     # ours/raw where the data already lies in collective orde
 LAYOUT_TARGET = 1.50   # ours/raw where a layout copy (pack or unpack) is unavoidable
 GEOMEAN_TARGET = 1.15  # geomean of ours/raw over all rows and sizes
 SIZES_MB = (1.0, 16.0, 64.0)
-CONTENDERS = ("ours", "ref", "raw", "alloc")
+CONTENDERS = ("ours", "ref", "raw", "alloc", "direct")
 
 # torch 2.13 names the single-buffer collectives *_single; older torch has only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -188,6 +193,47 @@ def _raw_floor(case: Case, n: int, rank: int, full: torch.Tensor, mm_args=None,
     raise ValueError(case.name)
 
 
+def _exchange(rank: int, sends: List[torch.Tensor], recvs: List[torch.Tensor]) -> None:
+    """Send ``sends[j]`` to rank j and receive rank j's message into ``recvs[j]`` (own piece copied), one batch."""
+    ops = []
+    for k in range(1, WORLD):
+        to, frm = (rank + k) % WORLD, (rank - k) % WORLD
+        ops += [dist.P2POp(dist.isend, sends[to], to, tag=9), dist.P2POp(dist.irecv, recvs[frm], frm, tag=9)]
+    works = dist.batch_isend_irecv(ops)
+    recvs[rank].copy_(sends[rank])
+    for w in works:
+        w.wait()
+
+
+def _direct_floor(case: Case, n: int, rank: int, full: torch.Tensor) -> Optional[Callable[[], None]]:
+    """The same bytes as ``raw`` moved by direct messages, by hand on preallocated buffers; None where that is raw.
+
+    Gloo's all-gather, reduce-scatter and all-to-all copy through temporaries of the whole
+    output; each rank sending its pieces straight to every peer does not. This is the lower
+    floor a hand-written program reaches on CPU; shown beside ``raw`` for the reader.
+    """
+    if case.mm or case.src == ("P",) and case.dst == ("R",) or len(case.mesh_shape) == 2 and case.dst != ("R", "R") \
+            or case.src == ("R",):
+        return None  # all-reduce (gloo's ring at these sizes), copies and swaps: raw already is the floor
+    if case.src == ("S0", "S1"):
+        mine = full.chunk(2, 0)[rank // 2].chunk(2, 1)[rank % 2].contiguous()
+    elif case.src == ("P",):  # P -> S(0): every rank's dim-0 piece of its addend to its owner, summed there
+        inp = torch.ones(n, n)
+        stacked, out = torch.empty(WORLD, n // WORLD, n), torch.empty(n // WORLD, n)
+
+        def reduce_scatter():
+            _exchange(rank, list(inp.chunk(WORLD)), list(stacked.unbind(0)))
+            torch.sum(stacked, 0, out=out)
+        return reduce_scatter
+    else:
+        mine = full.chunk(WORLD, int(case.src[0][1]))[rank].contiguous()
+    if case.dst == ("S1",):  # S(0) -> S(1): the raw all-to-all's bytes, dim-0 slice j to rank j
+        out = torch.empty_like(mine)
+        return lambda: _exchange(rank, list(mine.chunk(WORLD)), list(out.chunk(WORLD)))
+    out = torch.empty((WORLD,) + tuple(mine.shape))
+    return lambda: _exchange(rank, [mine] * WORLD, list(out.unbind(0)))
+
+
 def _check(case: Case, run_ours, run_ref, in_local: torch.Tensor, expected: torch.Tensor) -> Dict:
     """Run each side once and compare local results; flags are agreed over all ranks."""
     before = in_local.clone()
@@ -224,13 +270,14 @@ def _check(case: Case, run_ours, run_ref, in_local: torch.Tensor, expected: torc
 
 def _time_case(fns: Dict[str, Callable], reps: int, warmup: int) -> Dict[str, List[float]]:
     """Interleaved timing; returns per-contender samples in ms (max over ranks)."""
+    timed = tuple(name for name in CONTENDERS if fns[name] is not None)
     for _ in range(warmup):
-        for name in CONTENDERS:
+        for name in timed:
             fns[name]()
     samples = {name: [] for name in CONTENDERS}
     for i in range(reps):
-        k = i % len(CONTENDERS)
-        order = CONTENDERS[k:] + CONTENDERS[:k]
+        k = i % len(timed)
+        order = timed[k:] + timed[:k]
         elapsed = torch.zeros(len(CONTENDERS), dtype=torch.float64)
         for name in order:
             dist.barrier()
@@ -240,6 +287,9 @@ def _time_case(fns: Dict[str, Callable], reps: int, warmup: int) -> Dict[str, Li
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         for j, name in enumerate(CONTENDERS):
             samples[name].append(elapsed[j].item() * 1e3)
+    for name in CONTENDERS:  # no floor of its own: the raw one is it
+        if fns[name] is None:
+            samples[name] = list(samples["raw"])
     return samples
 
 
@@ -320,6 +370,7 @@ def _bench_size(rank: int, size_mb: float, reps: int, warmup: int) -> Dict:
                 "ref": lambda: _materialize(run_ref()),
                 "raw": _raw_floor(case, n, rank, full, mm_args),
                 "alloc": _raw_floor(case, n, rank, full, mm_args, fresh=True),
+                "direct": _direct_floor(case, n, rank, full),
             }
             if "noreuse" in CONTENDERS:
                 fns["noreuse"] = _without_reuse(fns["ours"])
@@ -376,10 +427,11 @@ def report(results: Dict, reps: int) -> None:
             warnings.append(f"  ERROR {name}: {r['error']}")
             misses.append(f"  {name}: failed")
             continue
-        ours, ref, raw, alloc = r["ours_ms"], r["ref_ms"], r["raw_ms"], r["alloc_ms"]
+        ours, ref, raw, alloc, direct = r["ours_ms"], r["ref_ms"], r["raw_ms"], r["alloc_ms"], r["direct_ms"]
         r["ours_over_raw"], r["ref_over_raw"], r["ours_over_ref"] = ours / raw, ref / raw, ours / ref
-        r["ours_over_alloc"] = ours / alloc
-        rows.append([r["case"], f"{r['size_mb']:g}", ours, ref, raw, ours / raw, ref / raw, ours / ref, ours / alloc])
+        r["ours_over_alloc"], r["ours_over_direct"] = ours / alloc, ours / direct
+        rows.append([r["case"], f"{r['size_mb']:g}", ours, ref, raw, ours / raw, ref / raw, ours / ref, ours / alloc,
+                     direct, ours / direct])
         why = []
         if ours / raw > r["target"]:
             why.append(f"ours/raw {ours / raw:.2f} > {r['target']:.2f}")
@@ -405,7 +457,7 @@ def report(results: Dict, reps: int) -> None:
     print(f"\nredistribute: {WORLD} ranks (gloo, 1 thread each), float32 square tensors of "
           f"{', '.join(f'{s:g}' for s in sizes)} MB, median of {reps} reps, ms = max over ranks\n")
     print(tabulate(rows, headers=["transition", "MB", "ours ms", "reference ms", "raw ms", "ours/raw", "ref/raw",
-                                  "ours/ref", "ours/(raw+alloc)"], floatfmt=".3f"))
+                                  "ours/ref", "ours/(raw+alloc)", "direct ms", "ours/direct"], floatfmt=".3f"))
     g_ours = _geomean([r[5] for r in rows])
     g_ref = _geomean([r[6] for r in rows])
     per_size = {s: (_geomean([r[5] for r in rows if r[1] == f"{s:g}"]), _geomean([r[6] for r in rows if r[1] == f"{s:g}"]))
@@ -413,8 +465,9 @@ def report(results: Dict, reps: int) -> None:
     for s, (go, gr) in per_size.items():
         print(f"geomean at {s:g} MB: ours/raw {go:.3f}   ref/raw {gr:.3f}")
     g_alloc = _geomean([r[8] for r in rows])
+    g_direct = _geomean([r[10] for r in rows])
     print(f"\ngeomean over {len(rows)} rows: ours/raw {g_ours:.3f} (target <= {GEOMEAN_TARGET})   ref/raw {g_ref:.3f}"
-          f"   ours/(raw+alloc) {g_alloc:.3f}")
+          f"   ours/(raw+alloc) {g_alloc:.3f}   ours/direct {g_direct:.3f}")
     with_noreuse = [r for r in results.values() if "noreuse_ms" in r]
     if with_noreuse:
         print("\nbuffer reuse: ours (reuse on) vs noreuse (reuse off), same run")

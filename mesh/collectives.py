@@ -189,12 +189,14 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
+    if not t.ndim:  # a 0-d piece gathers into a 1-d tensor (the backends want matching ranks)
+        t = t.reshape(1)
     if _counters:
         _count("all_gather", t)
     if type(t) is not torch.Tensor and is_traced(t):
-        out = _functional("all_gather", t if t.ndim else t.reshape(1), group, n)
+        out = _functional("all_gather", t, group, n)
         return finish(out) if finish is not None else out
-    out = buffer_pool.empty((n * t.shape[0],) + tuple(t.shape[1:]) if t.ndim else (n,), t)
+    out = buffer_pool.empty((n * t.shape[0],) + tuple(t.shape[1:]), t)
     if direct.usable(t, n):
         work = direct.all_gather(out, t, group, ranks)
         if not async_op:
@@ -241,13 +243,25 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     Example:
         >>> all_reduce(torch.ones(3), mesh, 0)  # 4 ranks -> tensor([4., 4., 4.])  # doctest: +SKIP
     """
-    group, _, n = resolve(mesh, dims)
+    group, ranks, n = resolve(mesh, dims)
     t = wait_all(t)
     if type(t) is not torch.Tensor and is_traced(t):
         if _counters:
             _count("all_reduce", t)
         out = _functional("all_reduce", t.contiguous(), group, n, op)
         return out / n if op == "avg" else out
+    if direct.usable(t, n) and direct.small_all_reduce(t, n, op):
+        # One round of messages; ``t`` is only read, so no copy of a tensor the caller keeps.
+        t = t.contiguous()
+        if _counters:
+            _count("all_reduce", t)
+        out = t if inplace else buffer_pool.empty_like(t)
+        work, stacked = direct.all_reduce_into(t, group, ranks)
+        after = _then(lambda s: direct.reduce(s, op, out), _avg(n) if op == "avg" else None)
+        if async_op:
+            return AsyncTensor(work, stacked, after, t.shape)
+        work.wait()
+        return after(stacked)
     if inplace and t.is_contiguous():
         out = t
     elif buffer_pool.plain(t):
@@ -453,7 +467,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
     buffer of a message), done while the messages travel. ``finish`` runs once everything
     arrived. Counted as ``send`` and ``recv``.
 
-    On eager CPU tensors :func:`direct_collectives.exchange` posts them (each strided send packed
+    On eager CPU tensors :func:`direct_collectives.exchange_global` posts them (each strided send packed
     right before it goes, strided receives staged in one pooled buffer); elsewhere one
     ``batch_isend_irecv`` moves them.
 
@@ -469,7 +483,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
     if direct.usable(result, 2):
         # One message each way per pair here: posting the receives after the sends measured as
         # fast or faster (receives first: 1.1-1.3x at 1 MB on [S(0),S(0)] -> [S(0),S(1)] 2x2).
-        work = direct.exchange(sends, recvs, group, keep, recvs_first=False)
+        work = direct.exchange_global(sends, recvs, group, keep, recvs_first=False)
         if not async_op:
             work.wait()
         return _finish(result, work, async_op, finish, finish_shape)

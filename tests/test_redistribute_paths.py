@@ -472,9 +472,11 @@ def _time_both(mesh_shape, src_c, dst_c, n, reps):
     return [s.kind for s in chosen.steps], {k: statistics.median(v) for k, v in times.items()}
 
 
-# Measured on gloo (4 CPU ranks on 2 shared cores, 16 MB): a direct point-to-point gather beats
-# gloo's ring all-gather by 1.2x (S(0)->R) to 2.2x ([S(0),S(1)]->[R,R]); the prices tie on bytes
-# and the collective wins on latency. A known misranking on this backend, not hidden: expected to fail.
+# Measured on gloo (4 CPU ranks on 2 shared cores, 16 MB) before CPU all-gathers became direct
+# messages themselves (mesh/direct_collectives.py): a direct point-to-point gather beat gloo's ring
+# all-gather by 1.2x (S(0)->R) to 2.2x ([S(0),S(1)]->[R,R]); the prices tie on bytes and the
+# collective wins on latency. Now both plans send direct messages on CPU; the mark stays non-strict
+# for SHARDPROP_DIRECT_COLLECTIVES=0, where the misranking is still there.
 _RING_GATHER = pytest.mark.xfail(reason="gloo's ring all-gather is slower than direct messages at 16 MB; "
                                         "the cost model prices them equal", strict=False)
 _TIMED = [pytest.param(*b, marks=_RING_GATHER) if b[2] in (("R",), ("R", "R")) else b
