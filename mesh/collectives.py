@@ -283,10 +283,10 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
 
     ``views=(outs, ins)`` (only where :func:`views_usable`; ``out`` given): the pieces are views
     of any strides, ``ins[j]`` (of ``t``) to rank ``j`` and rank ``j``'s piece into ``outs[j]``
-    (of ``out``). Nothing packs the whole input: each peer's piece is packed right before it is
-    sent (packing the next overlaps the previous one travelling), one's own piece is copied
-    straight from ``ins`` into ``outs``, and pieces whose place in ``out`` is one run of memory are
-    received in place. Split sizes are then unused.
+    (of ``out``). Nothing packs the whole input: each peer's strided piece is packed right before
+    it is sent, one's own piece is copied straight from ``ins`` into ``outs`` (never packed nor
+    sent), and pieces whose place in ``out`` is one run of memory are received in place; the
+    others are staged and copied into place as they arrive. Split sizes are then unused.
 
     Example:
         >>> all_to_all(torch.arange(4.), mesh, 0)  # doctest: +SKIP
@@ -467,8 +467,8 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
     buffer of a message), done while the messages travel. ``finish`` runs once everything
     arrived. Counted as ``send`` and ``recv``.
 
-    On eager CPU tensors :func:`direct_collectives.exchange_global` posts them (each strided send packed
-    right before it goes, strided receives staged in one pooled buffer); elsewhere one
+    On eager CPU tensors :func:`direct_collectives.exchange_global` posts them (each strided send
+    packed right before it goes, strided receives staged in one pooled buffer); elsewhere one
     ``batch_isend_irecv`` moves them.
 
     Example:
