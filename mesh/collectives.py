@@ -415,18 +415,6 @@ def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torc
 
 
 
-class _AllWork:
-    """Several works (the messages of one batch) waited on as one."""
-
-    def __init__(self, works) -> None:
-        self._works = works
-
-    def wait(self, timeout=None) -> bool:
-        for w in self._works:
-            w.wait() if timeout is None else w.wait(timeout)
-        return True
-
-
 def p2p_group(mesh):
     """The process group point-to-point messages within ``mesh`` travel on (peers are global ranks).
 
@@ -495,7 +483,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
             t = buf
         posted.append(dist.P2POp(dist.irecv, t, peer, group, tag))
     ops = [dist.P2POp(dist.isend, _packed(t), peer, group, tag) for t, peer, tag in sends] + posted
-    work = _AllWork(dist.batch_isend_irecv(ops) if ops else [])
+    work = direct.Works(dist.batch_isend_irecv(ops) if ops else [])
     for src, dst in keep:
         dst.copy_(src)
     if not async_op:
