@@ -24,6 +24,7 @@ from shardprop.dispatch.random_ops import manual_seed  # noqa: E402  (also regis
 from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
 from shardprop.parallel.fully_shard import FSDPModule, fully_shard  # noqa: E402
 from shardprop.parallel.mixed_precision import MixedPrecisionPolicy  # noqa: E402
+from shardprop.parallel.optim_foreach import set_optimizer_foreach_default  # noqa: E402  (registers the optimizer hooks)
 from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading, full_state_dict, load_full_state_dict  # noqa: E402  (also attaches the DCP protocol and cross-mesh moves)
 from shardprop.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
 from shardprop.parallel import parallelize as _parallelize  # noqa: E402
@@ -38,5 +39,5 @@ __all__ = [
     "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain", "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
     "print_cache_stats", "register_sharding", "set_cache_size", "set_decompose_fallback", "set_fallback_to_replicate",
     "unregister_sharding", "full_state_dict", "load_full_state_dict", "enable_full_state_dict_loading",
-    "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy",
+    "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "set_optimizer_foreach_default",
 ]
