@@ -17,8 +17,9 @@ Placements per list position i:
   a moved copy would take the update, so a mismatch is an error, never a silent loss;
 * 0-d tensors (steps; ``lr``, ``grad_scale``, ``found_inf`` as DTensors) are replicated.
 
-With torch's CPU default (``foreach`` off) an AdamW step makes eight DTensor dispatches per
-parameter; ``fused=True`` makes one per step. Ask for it as torch documents:
+Left at torch's CPU default (``foreach=None``), a step over DTensor parameters takes the foreach
+kernels (``shardprop/parallel/optim_foreach.py``): one dispatch per list op, eight per AdamW
+step; ``fused=True`` makes one per step. Ask for it as torch documents:
 
     >>> torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # doctest: +SKIP
 """
