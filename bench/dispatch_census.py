@@ -3,7 +3,7 @@
 The cost of an eager TP step above hand-written TP is mostly per-op Python: every
 ``__torch_dispatch__`` entry on a DTensor. This prints, for the demo model on 4 CPU
 ranks (tp=4, the torchtitan-style plan), how many dispatches each phase of one
-step makes, for SGD and AdamW with ``foreach`` on and off, and the ops that make
+step makes, for SGD and AdamW with ``foreach`` left at torch's default (None), on and off, and the ops that make
 most of them, so work on the step's speed starts from where the dispatches are.
 
 Counts come from the dispatcher's own per-op counters (``shardprop.cache_stats()``).
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
 
-OPTIMIZERS = [("sgd", False), ("sgd", True), ("adamw", False), ("adamw", True)]
+OPTIMIZERS = [("sgd", None), ("sgd", False), ("sgd", True), ("adamw", None), ("adamw", False), ("adamw", True)]  # None: torch's default
 
 
 def _counts() -> Counter:
