@@ -76,9 +76,20 @@ class Works:
         self._works = works
 
     def wait(self, timeout=None) -> bool:
-        for w in self._works:
-            w.wait() if timeout is None else w.wait(timeout)
+        try:
+            for w in self._works:
+                w.wait() if timeout is None else w.wait(timeout)
+        except RuntimeError as e:
+            raise _failed(e) from e
         return True
+
+
+def _failed(e: Exception) -> RuntimeError:
+    """The backend's error (a timeout, a peer gone) saying which path it came from and what to check."""
+    return RuntimeError(f"shardprop: a collective sent as direct point-to-point messages did not complete: {e}\n"
+                        "Every rank of the group must make the same collective calls in the same order "
+                        "(a timeout usually means one rank failed or took another path); "
+                        "SHARDPROP_DIRECT_COLLECTIVES=0 uses the backend's own collectives.")
 
 
 # (group, ranks) -> (this rank's index in ranks, each index's rank within the group): the group's own
@@ -228,7 +239,10 @@ class Pending(Works):
     def wait(self, timeout=None) -> bool:
         recvs, self._recvs = self._recvs, ()
         for work, view, buf in recvs:
-            work.wait() if timeout is None else work.wait(timeout)
+            try:
+                work.wait() if timeout is None else work.wait(timeout)
+            except RuntimeError as e:
+                raise _failed(e) from e
             if view is not None:
                 view.copy_(buf)
         return super().wait(timeout)

@@ -148,3 +148,31 @@ def test_usable_only_for_eager_cpu_groups():
     finally:
         direct.set_enabled(old)
 
+
+def _one_rank_skips():
+    """Rank 0 never joins; the others' direct all-gather must fail with shardprop's message, not hang."""
+    from datetime import timedelta
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    mesh = init_device_mesh("cpu", (4,))
+    if dist.get_rank() == 0:
+        return "skipped"
+    pending = C.all_gather(torch.ones(4), mesh, (0,), async_op=True)
+    try:
+        pending._work.wait(timedelta(seconds=2))
+    except RuntimeError as e:
+        return str(e)
+    return "completed"
+
+
+def test_a_missing_rank_gives_an_error_not_a_hang():
+    from tests.rankpool import get_pool
+    try:
+        out = run_on_ranks(4, _one_rank_skips, timeout=60)
+    finally:
+        get_pool(4).shutdown()  # messages to rank 0 are still posted: start the next test afresh
+    assert out[0] == "skipped"
+    for msg in out[1:]:
+        assert msg.startswith("shardprop: a collective sent as direct point-to-point messages did not complete"), msg
+        assert "SHARDPROP_DIRECT_COLLECTIVES=0" in msg
+
