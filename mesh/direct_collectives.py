@@ -16,8 +16,9 @@ keeps gloo's (ring, in place) except for small tensors, where one round of direc
 beats the ring's 2(n-1) steps (:func:`small_all_reduce`). Groups of more than
 :data:`MAX_GROUP` ranks keep the backend's collectives too (direct messages grow as n²).
 
-The functions take the output already allocated and return the pending work (or None when
-done), so ``collectives.py`` keeps allocation, counting and async handling in one place.
+The functions take the output already allocated and return the pending work (wait on it),
+so ``collectives.py`` keeps allocation, counting and async handling in one place. Every one
+of them posts through :func:`exchange`.
 Set ``SHARDPROP_DIRECT_COLLECTIVES=0`` (or call :func:`set_enabled`) to use the backend's
 collectives everywhere.
 
@@ -112,32 +113,17 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def _post(sends, recvs, group) -> Works:
-    # The process group's own send/recv (torch's isend/irecv minus their per-call checks), receives
-    # first so that arriving data lands in its buffer. ``peer`` is the rank within the group.
-    works = [group.recv([_wire(t)], peer, TAG) for t, peer in recvs]
-    works += [group.send([_wire(t)], peer, TAG) for t, peer in sends]
-    return Works(works)
-
-
-def _exchange(pieces_out: Sequence[torch.Tensor], pieces_in: Sequence[torch.Tensor], group, ranks) -> Works:
+def _exchange(pieces_out: Sequence[torch.Tensor], pieces_in: Sequence[torch.Tensor], group, ranks) -> "Pending":
     """Send ``pieces_in[j]`` to rank j and receive rank j's into ``pieces_out[j]``; one's own piece is copied.
 
     Peers are visited in a ring order starting at one's neighbour, so that the ranks do not all
-    send to the same rank first. Empty pieces are not sent (both ends know their sizes).
+    send to the same rank first. Pieces may be strided views (see :func:`exchange`).
     """
     n = len(ranks)
     me, peer = _group_layout(group, ranks)
-    sends, recvs = [], []
-    for k in range(1, n):
-        to, frm = (me + k) % n, (me - k) % n
-        if pieces_in[to].numel():
-            sends.append((pieces_in[to], peer[to]))
-        if pieces_out[frm].numel():
-            recvs.append((pieces_out[frm], peer[frm]))
-    works = _post(sends, recvs, group)
-    pieces_out[me].copy_(pieces_in[me])  # while the messages travel
-    return works
+    sends = [(pieces_in[(me + k) % n], peer[(me + k) % n], TAG) for k in range(1, n)]
+    recvs = [(pieces_out[(me - k) % n], peer[(me - k) % n], TAG) for k in range(1, n)]
+    return exchange(sends, recvs, group, ((pieces_in[me], pieces_out[me]),))
 
 
 def all_gather(out: torch.Tensor, t: torch.Tensor, group, ranks: Sequence[int]) -> Works:
@@ -341,19 +327,14 @@ def all_to_all_views(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], 
                      ranks: Sequence[int]) -> Pending:
     """``ins[j]`` to rank ``j``, rank ``j``'s piece for us into ``outs[j]``; views of any strides.
 
-    One's own piece is copied from ``ins`` to ``outs`` directly. Peers are visited in a ring
-    order starting at one's neighbour, so that the ranks do not all send to the same rank first.
+    One's own piece is copied from ``ins`` to ``outs`` directly.
 
     Example:
         >>> x = torch.arange(16.).view(4, 4); out = torch.empty(16, 1)  # doctest: +SKIP
         >>> all_to_all_views(list(out.chunk(4)), list(x.chunk(4, 1)), group, ranks).wait()  # doctest: +SKIP
         True
     """
-    n = len(ranks)
-    me, peer = _group_layout(group, ranks)
-    sends = [(ins[(me + k) % n], peer[(me + k) % n], TAG) for k in range(1, n)]
-    recvs = [(outs[(me - k) % n], peer[(me - k) % n], TAG) for k in range(1, n)]
-    return exchange(sends, recvs, group, ((ins[me], outs[me]),))
+    return _exchange(outs, ins, group, ranks)
 
 
 def _split(t: torch.Tensor, sizes: Optional[Sequence[int]], n: int) -> List[torch.Tensor]:
