@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardprop.mesh import groups as _groups
+from shardprop.mesh import shm_transport
 
 DimRef = Union[int, str]
 
@@ -99,6 +100,8 @@ class DeviceMesh:
         # dims tuple -> (group, ranks of my group in mesh order); None where this rank is absent.
         self._groups: Dict[Tuple[int, ...], Tuple[Optional[dist.ProcessGroup], List[int]]] = {}
         backend = _groups.backend_for(device_type)
+        if _parent is None and backend == "gloo":  # collective, like creating the groups below
+            shm_transport.attach()
         for dims in _combos(self.mesh.ndim):
             lists = _rank_lists(self.mesh, dims)
             if _parent is None:

@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool
+from shardprop.mesh import buffer_pool, shm_transport
 
 MAX_GROUP = 16
 # One tag for every message of these collectives: messages between two ranks with one tag are
@@ -277,6 +277,11 @@ def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequen
         >>> w.wait()  # doctest: +SKIP
         True
     """
+    shm = shm_transport.active()
+    shm_recvs = _through_shm(shm, sends, recvs, group) if shm is not None else None
+    if shm_recvs is not None:
+        shm_recvs, sends, recvs = shm_recvs
+
     def post_recvs():
         for (view, peer, tag), buf in zip(recvs, _staging([v for v, _, _ in recvs])):
             if buf is not None:
@@ -298,7 +303,43 @@ def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequen
         post_recvs()
     for src, dst in keep:
         dst.copy_(src)
-    return Pending(posted, sent)
+    return Pending(shm_recvs + posted if shm_recvs else posted, sent)
+
+
+_global_of: dict = {}
+
+
+def _globals(group) -> tuple:
+    """Each rank of ``group`` (by its number in the group) as a global rank."""
+    hit = _global_of.get(group)
+    if hit is None:
+        if len(_global_of) > 1024:
+            _global_of.clear()
+        hit = _global_of[group] = tuple(dist.get_global_rank(group, i) for i in range(group.size()))
+    return hit
+
+
+def _through_shm(shm, sends: Sequence[tuple], recvs: Sequence[tuple], group):
+    """Post the messages that shared memory carries (receives registered first, sends copied now).
+
+    Returns ``(receive handles, sends left, receives left)`` for the process group, or None when
+    shared memory carries none of them. Shared memory keeps one order per pair of ranks, where
+    the group matches by tag: each side's messages are taken in tag order (tags are unique per
+    pair within one call), so both ends agree.
+    """
+    ranks = _globals(group)
+    carried = lambda view, peer: view.numel() and shm.carries(ranks[peer], view.numel() * view.element_size())
+    mine_in = [m for m in recvs if carried(m[0], m[1])]
+    mine_out = [m for m in sends if carried(m[0], m[1])]
+    if not mine_in and not mine_out:
+        return None
+    by_tag = lambda m: m[2]
+    handles = [(shm.recv(ranks[peer], view), None, None) for view, peer, _ in sorted(mine_in, key=by_tag)]
+    for view, peer, _ in sorted(mine_out, key=by_tag):
+        shm.send(ranks[peer], view)
+    shm.flush()
+    return (handles, [m for m in sends if not carried(m[0], m[1])],
+            [m for m in recvs if not carried(m[0], m[1])])
 
 
 _group_ranks: dict = {}

@@ -1,0 +1,162 @@
+"""Direct collectives through shared memory between ranks of one host (``mesh/shm_transport.py``).
+
+4 gloo ranks on this host: the transport is set up when a mesh is built; collectives give plain
+torch's values and their messages went through the rings (counted); a small ring wraps around
+and fills up (many async collectives posted before any is waited on) and still delivers in
+order; pieces too big for the ring go through gloo in the same call; ranks that make different
+calls get an error naming sizes, not garbage; nothing is left in ``/dev/shm``; the switch off
+gives gloo's messages.
+"""
+import glob
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from tests.rankpool import run_on_ranks
+
+
+def _rank_data(shape, rank, salt=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * salt + rank))
+
+
+def _reattach(**env):
+    """Set ``env`` (None: unset) and set the transport up again (collective); returns the old values."""
+    from shardprop.mesh import shm_transport
+    old = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    shm_transport.detach()
+    shm_transport.attach()
+    return old
+
+
+def _collectives_through_rings():
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    from shardprop.mesh import shm_transport
+    mesh = init_device_mesh("cpu", (4,))
+    t = shm_transport.active()
+    assert t is not None and t.rank == dist.get_rank()
+    before = t.messages_sent
+    me = dist.get_rank()
+    x = _rank_data((6, 5), me)
+    full = torch.cat([_rank_data((6, 5), r) for r in range(4)])
+    assert torch.equal(C.all_gather(x, mesh, (0,)), full)
+    total = sum(_rank_data((8, 3), r, 1) for r in range(4))
+    torch.testing.assert_close(C.reduce_scatter(_rank_data((8, 3), me, 1), mesh, (0,)), total.chunk(4)[me])
+    torch.testing.assert_close(C.all_reduce(_rank_data((8, 3), me, 1), mesh, (0,)), total)
+    sent = t.messages_sent - before
+    assert sent == 9, sent  # three collectives, one message to each of 3 peers
+    leftover = glob.glob(f"/dev/shm/shardprop-{os.getpid()}-*")
+    return leftover
+
+
+def test_collectives_go_through_shared_memory_and_leave_no_files():
+    for leftover in run_on_ranks(4, _collectives_through_rings, timeout=60):
+        assert leftover == []
+
+
+def _wrap_and_fill():
+    """A 64 KB ring (32 KB messages at most): many posted collectives wrap it and fill it up."""
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    from shardprop.mesh import shm_transport
+    old = _reattach(SHARDPROP_SHM_RING_MB="0.0625")
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        t = shm_transport.active()
+        assert t.max_message == 32 << 10
+        me = dist.get_rank()
+        checked = 0
+        for round_ in range(3):
+            pending, expect = [], []
+            for k in range(12):  # 12 x up to 24 KB to each peer before anything is waited on
+                rows = 1 + (k * 7 + round_ * 5) % 24
+                x = _rank_data((rows, 256), me, 10 * round_ + k)
+                pending.append(C.all_gather(x, mesh, (0,), async_op=True))
+                expect.append(torch.cat([_rank_data((rows, 256), r, 10 * round_ + k) for r in range(4)]))
+            for p, e in zip(reversed(pending), reversed(expect)):  # waited on in reverse order
+                assert torch.equal(p.wait(), e)
+                checked += 1
+        # Mixed in one call: splits of 16 B to 80 KB, the big ones through gloo, the small ones the ring.
+        sizes = [4, 20480, 64, 8]
+        x = torch.cat([torch.full((s,), float(10 * me + j)) for j, s in enumerate(sizes)])
+        before = t.messages_sent
+        out = C.all_to_all(x, mesh, (0,), output_split_sizes=[sizes[me]] * 4, input_split_sizes=sizes)
+        assert torch.equal(out, torch.cat([torch.full((sizes[me],), float(10 * r + me)) for r in range(4)]))
+        small_peers = sum(1 for j, s in enumerate(sizes) if j != me and s * 4 <= t.max_message)
+        assert t.messages_sent - before == small_peers
+        return checked
+    finally:
+        _reattach(**old)
+
+
+def test_a_small_ring_wraps_fills_and_delivers_in_order():
+    assert run_on_ranks(4, _wrap_and_fill, timeout=120) == [36] * 4
+
+
+def _strided_pieces():
+    """All-to-all of column blocks (strided sends) into column blocks (strided receives)."""
+    from shardprop import init_device_mesh
+    from shardprop.mesh import direct_collectives as direct
+    mesh = init_device_mesh("cpu", (4,))
+    group, ranks = mesh.group_for((0,))
+    me = dist.get_rank()
+    x = _rank_data((5, 8), me)
+    out = torch.full((5, 8), -1.0)
+    direct.all_to_all_views(list(out.chunk(4, 1)), list(x.chunk(4, 1)), group, ranks).wait()
+    want = torch.cat([_rank_data((5, 8), r).chunk(4, 1)[me] for r in range(4)], 1)
+    return torch.equal(out, want)
+
+
+def test_strided_pieces_are_copied_straight_from_and_into_their_views():
+    assert all(run_on_ranks(4, _strided_pieces, timeout=60))
+
+
+def _different_calls():
+    """Rank 1 sends 4 floats where rank 0 expects 8: rank 0 gets an error naming both sizes."""
+    from shardprop import init_device_mesh
+    from shardprop.mesh import direct_collectives as direct
+    init_device_mesh("cpu", (4,))
+    me, msg = dist.get_rank(), "no error"
+    try:
+        if me == 0:
+            direct.exchange_global([], [(torch.empty(8), 1, 0)], None).wait(5)
+        elif me == 1:
+            direct.exchange_global([(torch.ones(4), 0, 0)], [], None).wait()
+    except RuntimeError as e:
+        msg = str(e)
+    _reattach()  # the ring from 1 to 0 holds an unread message: start afresh
+    return msg
+
+
+def test_different_calls_give_an_error_naming_the_sizes():
+    msgs = run_on_ranks(4, _different_calls, timeout=60)
+    assert re.search(r"rank 1 sent message #(\d+) of 16 bytes where rank 0 expected #\1 of 32 bytes", msgs[0]), msgs[0]
+    assert msgs[0].startswith("shardprop: a collective sent as direct point-to-point messages did not complete")
+    assert msgs[1:] == ["no error"] * 3
+
+
+def _switched_off():
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    from shardprop.mesh import shm_transport
+    old = _reattach(SHARDPROP_SHM_TRANSPORT="0")
+    try:
+        off = shm_transport.active() is None
+        mesh = init_device_mesh("cpu", (4,))
+        me = dist.get_rank()
+        same = torch.equal(C.all_gather(_rank_data((3,), me), mesh, (0,)),
+                           torch.cat([_rank_data((3,), r) for r in range(4)]))
+        return off and same
+    finally:
+        _reattach(**old)
+
+
+def test_switched_off_the_messages_go_through_gloo():
+    assert all(run_on_ranks(4, _switched_off, timeout=60))
