@@ -250,7 +250,7 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
             _count("all_reduce", t)
         out = _functional("all_reduce", t.contiguous(), group, n, op)
         return out / n if op == "avg" else out
-    if direct.usable(t, n) and direct.small_all_reduce(t, n, op):
+    if direct.usable(t, n) and direct.small_all_reduce(t, n, op, group):
         # One round of messages; ``t`` is only read, so no copy of a tensor the caller keeps.
         t = t.contiguous()
         if _counters:

@@ -26,11 +26,11 @@ two ranks sending to each other cannot block one another.
 
 Set ``SHARDPROP_SHM_TRANSPORT=0`` to keep gloo's point-to-point messages;
 ``SHARDPROP_SHM_RING_MB`` sets the ring size per peer (default 4; messages up to half of it
-go through shared memory, larger ones through gloo).
+go in one piece, larger ones in chunks, the receiver copying one out while the next goes in).
 
 Example:
     >>> t = active()  # doctest: +SKIP
-    >>> if t is not None and t.carries(1, x.numel() * x.element_size()): t.send(1, x)  # doctest: +SKIP
+    >>> if t is not None and t.carries(1): t.send(1, x); t.flush()  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from shardprop.mesh import groups as _groups
 
 _HEADER = 64          # bytes before each payload (size, sequence number), keeps payloads 64-byte aligned
-_COUNTERS = 192       # head, tail and the receiver's "asleep" flag of a ring, each on its own cache line
+_COUNTERS = 256       # a ring's head, tail, "receiver asleep" and "sender wants room" flags, one cache line each
 _WRAP = -1            # header size meaning "continue at the start of the ring"
 MAX_RANKS_PER_HOST = 16
 # Taking and releasing a lock is a locked instruction: a full memory fence on x86 (a store
@@ -90,7 +90,7 @@ class _Ring:
     __slots__ = ("counters", "words", "data", "address", "cap", "pos", "seq")
 
     def __init__(self, buf: mmap.mmap, tensor: torch.Tensor, offset: int, cap: int) -> None:
-        self.counters = memoryview(buf)[offset:offset + _COUNTERS].cast("q")   # [0] head, [8] tail, [16] asleep
+        self.counters = memoryview(buf)[offset:offset + _COUNTERS].cast("q")  # [0] head [8] tail [16] asleep [24] room
         self.words = memoryview(buf)[offset + _COUNTERS:offset + _COUNTERS + cap].cast("q")
         self.data = tensor[offset + _COUNTERS:offset + _COUNTERS + cap]
         self.address = tensor.data_ptr() + offset + _COUNTERS  # for memmove of contiguous pieces
@@ -100,12 +100,20 @@ class _Ring:
 
 
 class _Recv:
-    """A posted receive: done once its message was copied into ``view``."""
+    """A posted receive: done once its message was copied into ``view``.
 
-    __slots__ = ("transport", "src", "view", "done")
+    A message longer than a ring's chunk arrives in several chunks, copied into ``view`` (or,
+    for a strided view, into a contiguous ``staged`` buffer first) as each comes in.
+    """
+
+    __slots__ = ("transport", "src", "view", "nbytes", "got", "staged", "done")
 
     def __init__(self, transport: "Transport", src: int, view: torch.Tensor) -> None:
         self.transport, self.src, self.view, self.done = transport, src, view, False
+        self.nbytes, self.got = view.numel() * view.element_size(), 0
+        self.staged = None
+        if self.nbytes > transport.max_message and not view.is_contiguous():
+            self.staged = torch.empty(view.shape, dtype=view.dtype)
 
     def wait(self, timeout=None) -> bool:
         if not self.done:
@@ -114,7 +122,10 @@ class _Recv:
 
 
 class Transport:
-    """The shared-memory rings of this process with its same-host peers (global ranks)."""
+    """The shared-memory rings of this process with its same-host peers (global ranks).
+
+    One thread at a time: every entry point holds the lock, released only while sleeping.
+    """
 
     def __init__(self, rank: int, cap: int, mailbox: mmap.mmap, pipe: int, inbound: Dict[int, int],
                  peers: Dict[int, tuple]) -> None:
@@ -130,43 +141,74 @@ class Transport:
             self._wake[dst] = fd
             self._keep.append(buf)
         self._pending: Dict[int, collections.deque] = {src: collections.deque() for src in self._in}
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._sent: list = []
         self.messages_sent = 0  # for tests and benchmarks: what went through the rings
         self._poll = select.poll()
         self._poll.register(pipe, select.POLLIN)
 
-    def carries(self, peer: int, nbytes: int) -> bool:
-        """Whether a message of ``nbytes`` to or from global rank ``peer`` goes through shared memory.
+    def carries(self, peer: int) -> bool:
+        """Whether messages to and from global rank ``peer`` go through shared memory (any size).
 
-        Both ends of a message answer alike (they know its size), so both take the same path.
+        Example:
+            >>> active().carries(1)  # doctest: +SKIP
+            True
         """
-        return nbytes <= self.max_message and peer in self._out
+        return peer in self._out
+
+    def covers(self, peers) -> bool:
+        """Whether every one of ``peers`` (global ranks; this rank may be among them) is reached through rings.
+
+        Every rank of a group gives the same answer: pairs are set up symmetrically.
+        """
+        return all(p == self.rank or p in self._out for p in peers)
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, dst: int, view: torch.Tensor) -> None:
-        """Copy ``view`` (any strides) into the ring to ``dst`` and wake it; returns when copied."""
+        """Copy ``view`` (any strides) into the ring to ``dst``; returns when copied (call :meth:`flush` after).
+
+        A message longer than :attr:`max_message` goes in chunks, each waking ``dst`` if it
+        sleeps: the receiver copies one out while the next goes in.
+        """
+        nbytes = view.numel() * view.element_size()
         with self._lock:
             ring = self._out[dst]
-            nbytes = view.numel() * view.element_size()
-            need = _HEADER + _round(nbytes)
-            head, cap = ring.pos, ring.cap
-            off = head % cap
-            wrap = off + need > cap
-            end = head + (cap - off if wrap else 0) + need
-            if end - ring.counters[8] > cap:
-                self._wait_for_room(ring, end, dst)
-            if wrap:
-                ring.words[off // 8] = _WRAP
-                off = 0
-            ring.words[off // 8] = nbytes
-            ring.words[off // 8 + 1] = ring.seq
-            _copy_in(ring, off + _HEADER, view, nbytes)
-            ring.seq += 1
-            ring.pos = end
-            ring.counters[0] = end  # published after the payload: x86 keeps stores in order
-            self._sent.append(dst)
+            if nbytes <= self.max_message:
+                off = self._reserve(ring, dst, nbytes, nbytes)
+                _copy_in(ring, off + _HEADER, view, nbytes)
+                ring.counters[0] = ring.pos  # published after the payload: x86 keeps stores in order
+                ring.seq += 1
+                self._sent.append(dst)
+            else:
+                src = view if view.is_contiguous() else view.contiguous()
+                ptr = src.data_ptr()
+                for o in range(0, nbytes, self.max_message):
+                    chunk = min(self.max_message, nbytes - o)
+                    off = self._reserve(ring, dst, chunk, nbytes)
+                    ctypes.memmove(ring.address + off + _HEADER, ptr + o, chunk)
+                    ring.counters[0] = ring.pos
+                    self._wake_if_asleep([dst], 16)
+                ring.seq += 1
             self.messages_sent += 1
+
+    def _reserve(self, ring: _Ring, dst: int, chunk: int, total: int) -> int:
+        """Room for one record of ``chunk`` payload bytes (waiting for it); writes its header, returns its offset."""
+        need = _HEADER + _round(chunk)
+        head, cap = ring.pos, ring.cap
+        off = head % cap
+        wrap = off + need > cap
+        end = head + (cap - off if wrap else 0) + need
+        if end - ring.counters[8] > cap:
+            self._wait(lambda: end - ring.counters[8] <= cap, None, room=ring,
+                       what=f"rank {dst} did not take the messages of rank {self.rank}")
+        if wrap:
+            ring.words[off // 8] = _WRAP
+            off = 0
+        ring.words[off // 8] = chunk
+        ring.words[off // 8 + 1] = ring.seq
+        ring.words[off // 8 + 2] = total
+        ring.pos = end
+        return off
 
     def flush(self) -> None:
         """Wake the receivers of the messages sent since the last flush that sleep waiting for them.
@@ -175,24 +217,19 @@ class Transport:
         this core at once, and then finds everything this rank sends it.
         """
         sent, self._sent = self._sent, []
-        with _FENCE:  # the "asleep" loads below must not pass the head stores above
+        if sent:
+            self._wake_if_asleep(set(sent) if len(sent) > 1 else sent, 16)
+
+    def _wake_if_asleep(self, dsts, flag: int, rings=None) -> None:
+        with _FENCE:  # the flag loads below must not pass the counter stores before them
             pass
-        for dst in set(sent) if len(sent) > 1 else sent:
-            if self._out[dst].counters[16]:
+        rings = self._out if rings is None else rings
+        for dst in dsts:
+            if rings[dst].counters[flag]:
                 try:
                     os.write(self._wake[dst], b"\1")
                 except BlockingIOError:  # the pipe is full of wake-ups already
                     pass
-
-    def _wait_for_room(self, ring: _Ring, end: int, dst: int) -> None:
-        deadline = time.monotonic() + _groups.collective_timeout().total_seconds()
-        pause = 20e-6
-        while end - ring.counters[8] > ring.cap:
-            self._progress()
-            if time.monotonic() > deadline:
-                raise _timed_out(f"rank {dst} did not take the messages of rank {self.rank}")
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
 
     # -- receiving -------------------------------------------------------------------------
     def recv(self, src: int, view: torch.Tensor) -> _Recv:
@@ -204,68 +241,90 @@ class Transport:
 
     def complete(self, handle: _Recv, timeout=None) -> None:
         """Copy in messages (in order per sender) until ``handle``'s is in; sleep on the pipe meanwhile."""
+        with self._lock:
+            self._wait(lambda: handle.done, timeout,
+                       what=f"rank {self.rank} waited for a message from rank {handle.src}")
+
+    def _wait(self, ready, timeout, room: Optional[_Ring] = None, what: str = "") -> None:
+        """Take messages in until ``ready()``; between tries yield, then sleep until a peer wakes us.
+
+        Before sleeping, this rank raises the "asleep" flag of every ring it expects a message
+        on (and the "room wanted" flag of ``room``), fences, and looks once more: a peer stores
+        its counter, fences and reads the flag, so one of the two sees the other's store.
+        """
         limit = _groups.collective_timeout().total_seconds() if timeout is None else _seconds(timeout)
         deadline = time.monotonic() + limit
-        asleep = self._in[handle.src].counters
         spins = 0
         while True:
-            with self._lock:
-                self._progress()
-                if handle.done:
-                    return
+            self._progress()
+            if ready():
+                return
             if spins < _SPINS:
                 spins += 1
                 os.sched_yield()
                 continue
-            # Only this ring's sender wakes us (the others' messages land silently meanwhile):
-            # flag, fence, look once more, then sleep. The sender stores its head, fences and
-            # reads the flag, so one of the two sees the other's store.
-            asleep[16] = 1
+            if self._sent:  # receivers of what we sent must not sleep while we do
+                self.flush()
+            flags = [(self._in[src].counters, 16) for src, queue in self._pending.items() if queue]
+            if room is not None:
+                flags.append((room.counters, 24))
+            for counters, i in flags:
+                counters[i] = 1
             with _FENCE:
                 pass
-            with self._lock:
-                self._progress()
-            if handle.done:
-                asleep[16] = 0
-                return
+            self._progress()
             left = deadline - time.monotonic()
-            if left <= 0:
-                asleep[16] = 0
-                raise _timed_out(f"rank {self.rank} waited {limit:g} s for a message from rank {handle.src}")
-            ready = self._poll.poll(min(int(left * 1000) + 1, 1000))
-            asleep[16] = 0
-            if ready:
+            if not ready() and left > 0:
+                self._lock.release()
                 try:
-                    os.read(self._pipe, 65536)  # drain the wake-ups; the rings say what arrived
-                except BlockingIOError:
-                    pass
+                    if self._poll.poll(min(int(left * 1000) + 1, 1000)):
+                        try:
+                            os.read(self._pipe, 65536)  # drain the wake-ups; the rings say what arrived
+                        except BlockingIOError:
+                            pass
+                finally:
+                    self._lock.acquire()
+            for counters, i in flags:
+                counters[i] = 0
+            if time.monotonic() > deadline and not ready():
+                raise _timed_out(f"{what} for {limit:g} s")
 
     def _progress(self) -> None:
         for src, queue in self._pending.items():
             while queue and self._take(src, self._in[src], queue[0]):
-                queue.popleft().done = True
+                if queue[0].done:
+                    queue.popleft()
 
     def _take(self, src: int, ring: _Ring, handle: _Recv) -> bool:
-        head = ring.counters[0]
-        tail, cap = ring.pos, ring.cap
-        if head - tail < _HEADER:
+        """Copy one record from ``ring`` into ``handle`` if there is one; whether one was taken."""
+        tail = ring.pos
+        if ring.counters[0] == tail:
             return False
+        cap = ring.cap
         off = tail % cap
         if ring.words[off // 8] == _WRAP:
             tail += cap - off
             off = 0
-            if head - tail < _HEADER:
-                return False
-        view = handle.view
-        nbytes, seq = ring.words[off // 8], ring.words[off // 8 + 1]
-        want = view.numel() * view.element_size()
-        if nbytes != want or seq != ring.seq:
-            raise RuntimeError(f"rank {src} sent message #{seq} of {nbytes} bytes where rank {self.rank} expected "
-                               f"#{ring.seq} of {want} bytes through shared memory: the ranks made different calls")
-        _copy_out(ring, off + _HEADER, view, nbytes)
-        ring.seq += 1
-        ring.pos = tail + _HEADER + _round(nbytes)
+        w = off // 8
+        chunk, seq, total = ring.words[w], ring.words[w + 1], ring.words[w + 2]
+        if seq != ring.seq or total != handle.nbytes or chunk > total - handle.got:
+            raise RuntimeError(f"rank {src} sent message #{seq} of {total} bytes where rank {self.rank} expected "
+                               f"#{ring.seq} of {handle.nbytes} bytes through shared memory: the ranks made "
+                               "different calls")
+        if chunk == total:
+            _copy_out(ring, off + _HEADER, handle.view, chunk)
+        else:
+            into = handle.view if handle.staged is None else handle.staged
+            ctypes.memmove(into.data_ptr() + handle.got, ring.address + off + _HEADER, chunk)
+        handle.got += chunk
+        ring.pos = tail + _HEADER + _round(chunk)
         ring.counters[8] = ring.pos
+        if handle.got == total:
+            ring.seq += 1
+            handle.done = True
+            if handle.staged is not None:
+                handle.view.copy_(handle.staged)
+        self._wake_if_asleep((src,), 24, self._in)  # its sender may sleep waiting for this room
         return True
 
     def close(self) -> None:

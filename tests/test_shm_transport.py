@@ -3,7 +3,7 @@
 4 gloo ranks on this host: the transport is set up when a mesh is built; collectives give plain
 torch's values and their messages went through the rings (counted); a small ring wraps around
 and fills up (many async collectives posted before any is waited on) and still delivers in
-order; pieces too big for the ring go through gloo in the same call; ranks that make different
+order; messages longer than half a ring stream through it in chunks (strided ones too); ranks that make different
 calls get an error naming sizes, not garbage; nothing is left in ``/dev/shm``; the switch off
 gives gloo's messages.
 """
@@ -62,7 +62,7 @@ def test_collectives_go_through_shared_memory_and_leave_no_files():
 
 
 def _wrap_and_fill():
-    """A 64 KB ring (32 KB messages at most): many posted collectives wrap it and fill it up."""
+    """A 64 KB ring (32 KB chunks): many posted collectives wrap it and fill it up; big messages stream."""
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
     from shardprop.mesh import shm_transport
@@ -83,14 +83,23 @@ def _wrap_and_fill():
             for p, e in zip(reversed(pending), reversed(expect)):  # waited on in reverse order
                 assert torch.equal(p.wait(), e)
                 checked += 1
-        # Mixed in one call: splits of 16 B to 80 KB, the big ones through gloo, the small ones the ring.
+        # Pieces of 16 B to 80 KB in one call: the big ones stream through the ring in chunks.
         sizes = [4, 20480, 64, 8]
         x = torch.cat([torch.full((s,), float(10 * me + j)) for j, s in enumerate(sizes)])
         before = t.messages_sent
         out = C.all_to_all(x, mesh, (0,), output_split_sizes=[sizes[me]] * 4, input_split_sizes=sizes)
         assert torch.equal(out, torch.cat([torch.full((sizes[me],), float(10 * r + me)) for r in range(4)]))
-        small_peers = sum(1 for j, s in enumerate(sizes) if j != me and s * 4 <= t.max_message)
-        assert t.messages_sent - before == small_peers
+        assert t.messages_sent - before == 3
+        # Every rank streams 1 MB to each peer while taking theirs in (8 times the ring each).
+        big = _rank_data((256, 1024), me, 99)
+        assert torch.equal(C.all_gather(big, mesh, (0,)), torch.cat([_rank_data((256, 1024), r, 99) for r in range(4)]))
+        # Strided pieces bigger than a chunk: packed before, staged after.
+        x = _rank_data((64, 1024), me, 98)
+        out = torch.full((64, 1024), -1.0)
+        group, ranks = mesh.group_for((0,))
+        from shardprop.mesh import direct_collectives as direct
+        direct.all_to_all_views(list(out.chunk(4, 1)), list(x.chunk(4, 1)), group, ranks).wait()
+        assert torch.equal(out, torch.cat([_rank_data((64, 1024), r, 98).chunk(4, 1)[me] for r in range(4)], 1))
         return checked
     finally:
         _reattach(**old)
