@@ -16,8 +16,15 @@ row-parallel output onto it (all-gather backward); the output projection's input
 and the logits all-gathered to full; the norm weights' gradients (partial sums over the
 sequence pieces) are all-reduced in one flat buffer by ``model.sync_grads()`` after backward.
 
+Both take ``comm``, how every one of their collectives travels (chosen once, when the model is
+built): ``"gloo"`` calls c10d's collectives on the default group (``dist.all_reduce``,
+``dist.all_gather``, all-gather / reduce-scatter into one tensor); ``"shm"`` makes the same
+collectives on the same plain tensors with shardprop's own CPU collectives
+(``shardprop.mesh.collectives`` on a 1-d mesh over all ranks): direct messages through shared
+memory between ranks of one host, the transport shardprop's DTensors use.
+
     >>> model = megatron_floor(LlamaConfig(), seed=0)  # inside an initialized process group  # doctest: +SKIP
-    >>> model = megatron_sp_floor(LlamaConfig(), seed=0)  # doctest: +SKIP
+    >>> model = megatron_sp_floor(LlamaConfig(), seed=0, comm="shm")  # doctest: +SKIP
     >>> lm_loss(model(tokens), targets).backward(); model.sync_grads()  # doctest: +SKIP
 """
 from __future__ import annotations
@@ -33,48 +40,113 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _GlooComm:
+    """c10d's collectives on the default group (gloo on CPU), the calls the floor always made."""
+
+    name = "gloo"
+
+    def __init__(self):
+        self.n, self.r = dist.get_world_size(), dist.get_rank()
+
+    def all_reduce_(self, t):
+        """Sum ``t`` (contiguous) over the ranks, in place."""
+        dist.all_reduce(t)
+
+    def gather_parts(self, x):
+        """Every rank's ``x``, a list in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.n)]
+        dist.all_gather(parts, x.contiguous())
+        return parts
+
+    def gather_dim0(self, x):
+        """Every rank's ``x`` stacked along dim 0 (one new tensor)."""
+        flat = x.new_empty((self.n * x.shape[0],) + tuple(x.shape[1:]))
+        _all_gather_flat(flat, x.contiguous())
+        return flat
+
+    def scatter_dim0(self, stacked):
+        """This rank's dim-0 piece of ``stacked`` (contiguous) summed over the ranks."""
+        out = stacked.new_empty((stacked.shape[0] // self.n,) + tuple(stacked.shape[1:]))
+        _reduce_scatter_flat(out, stacked)
+        return out
+
+
+class _ShmComm(_GlooComm):
+    """The same collectives through ``shardprop.mesh.collectives`` (shared memory within a host)."""
+
+    name = "shm"
+
+    def __init__(self):
+        super().__init__()
+        import shardprop
+        from shardprop.mesh import collectives
+        self.c = collectives
+        self.mesh = shardprop.init_device_mesh("cpu", (self.n,))
+
+    def all_reduce_(self, t):
+        out = self.c.all_reduce(t, self.mesh, (0,), inplace=True)
+        if out is not t:  # in place whenever t is contiguous; copy back otherwise
+            t.copy_(out)
+
+    def gather_parts(self, x):
+        return self.gather_dim0(x).view((self.n,) + tuple(x.shape)).unbind(0)
+
+    def gather_dim0(self, x):
+        return self.c.all_gather(x, self.mesh, (0,))
+
+    def scatter_dim0(self, stacked):
+        return self.c.reduce_scatter(stacked, self.mesh, (0,))
+
+
+_COMMS = {"gloo": _GlooComm, "shm": _ShmComm}
+
+
+def _make_comm(comm: str):
+    if comm not in _COMMS:
+        raise ValueError(f"tp_floor: comm={comm!r} is not one of {sorted(_COMMS)}")
+    return _COMMS[comm]()
+
+
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient backward (a block's input)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, comm, x):
+        ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
+        ctx.comm.all_reduce_(grad)
+        return None, grad
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """All-reduce forward (a row-parallel output, in place); identity backward."""
 
     @staticmethod
-    def forward(ctx, x):
-        dist.all_reduce(x)
+    def forward(ctx, comm, x):
+        comm.all_reduce_(x)
         ctx.mark_dirty(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return None, grad
 
 
 class _GatherLast(torch.autograd.Function):
     """All-gather along the last dim forward; this rank's slice of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x):
-        n, r = dist.get_world_size(), dist.get_rank()
-        ctx.n, ctx.r, ctx.k = n, r, x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+    def forward(ctx, comm, x):
+        ctx.r, ctx.k = comm.r, x.shape[-1]
+        return torch.cat(comm.gather_parts(x), dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.narrow(-1, ctx.r * ctx.k, ctx.k).contiguous()
+        return None, grad.narrow(-1, ctx.r * ctx.k, ctx.k).contiguous()
 
 
 def _keep_slice(mod, dim: int) -> None:
@@ -92,7 +164,7 @@ def _keep_cols(mod) -> None:
     _keep_slice(mod, 1)
 
 
-def _slice_and_hook(model, block_in, row_out) -> None:
+def _slice_and_hook(model, comm, block_in, row_out) -> None:
     """Megatron's layout on every block: q/k/v/w1/w3 and the output keep rows, wo/w2 columns; the
     block inputs and the output projection's input go through ``block_in``, the row-parallel
     outputs through ``row_out``, and the logits are all-gathered."""
@@ -107,86 +179,89 @@ def _slice_and_hook(model, block_in, row_out) -> None:
         ffn.register_forward_pre_hook(block_in)
     _keep_rows(model.output)
     model.output.register_forward_pre_hook(block_in)
-    model.output.register_forward_hook(lambda mod, args, out: _GatherLast.apply(out))
+    model.output.register_forward_hook(lambda mod, args, out: _GatherLast.apply(comm, out))
 
 
-def megatron_floor(cfg, seed):
-    """The single-process Llama with its weights pre-sliced for this rank and the four comm points hooked."""
+def megatron_floor(cfg, seed, comm="gloo"):
+    """The single-process Llama with its weights pre-sliced for this rank and the four comm points hooked.
+
+    ``comm``: ``"gloo"`` (c10d's collectives) or ``"shm"`` (shardprop's), see the module docstring.
+    """
     from shardprop.demo.model import Llama
+    comm = _make_comm(comm)
     model = Llama(cfg, seed)
 
     def copy_in(mod, args):
-        return (_CopyToTP.apply(args[0]),) + tuple(args[1:])
+        return (_CopyToTP.apply(comm, args[0]),) + tuple(args[1:])
 
     def reduce_out(mod, args, out):
-        return _ReduceFromTP.apply(out)
+        return _ReduceFromTP.apply(comm, out)
 
-    _slice_and_hook(model, copy_in, reduce_out)
+    _slice_and_hook(model, comm, copy_in, reduce_out)
     return model
 
 
 # ---------------------------------------------------------------- sequence parallelism (dim 1 of [B, S, D])
-def _gather_seq(x):
+def _gather_seq(comm, x):
     """[B, s, D] pieces of every rank -> [B, n*s, D]: one flat all-gather, one layout copy."""
-    n = dist.get_world_size()
+    n = comm.n
     b, s = x.shape[0], x.shape[1]
-    flat = x.new_empty((n * b,) + tuple(x.shape[1:]))
-    _all_gather_flat(flat, x.contiguous())
+    flat = comm.gather_dim0(x)
     return flat.view((n, b) + tuple(x.shape[1:])).transpose(0, 1).reshape((b, n * s) + tuple(x.shape[2:]))
 
 
-def _scatter_seq(y):
+def _scatter_seq(comm, y):
     """Partial [B, S, D] -> this rank's summed [B, S/n, D]: one layout copy, one flat reduce-scatter."""
-    n = dist.get_world_size()
+    n = comm.n
     b, s = y.shape[0], y.shape[1] // n
     rest = tuple(y.shape[2:])
     stacked = y.reshape((b, n, s) + rest).transpose(0, 1).contiguous()
-    out = y.new_empty((b, s) + rest)
-    _reduce_scatter_flat(out, stacked.view((n * b, s) + rest))
-    return out
+    return comm.scatter_dim0(stacked.view((n * b, s) + rest))
 
 
-class _GatherSeq(torch.autograd.Function):
-    """All-gather on the sequence forward (a block's input); reduce-scatter of the gradient backward."""
+class _SeqComm(torch.autograd.Function):
+    """``forward_fn`` forward and ``backward_fn`` on the gradient (each of ``_gather_seq`` / ``_scatter_seq``).
 
-    @staticmethod
-    def forward(ctx, x):
-        return _gather_seq(x)
+    Gather on entry to a block (reduce-scatter backward); scatter of a row-parallel output (gather backward).
+    """
 
     @staticmethod
-    def backward(ctx, grad):
-        return _scatter_seq(grad)
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """Reduce-scatter onto the sequence forward (a row-parallel output); all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, y):
-        return _scatter_seq(y)
+    def forward(ctx, comm, forward_fn, backward_fn, x):
+        ctx.comm, ctx.backward_fn = comm, backward_fn
+        return forward_fn(comm, x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad)
+        return None, None, None, ctx.backward_fn(ctx.comm, grad)
 
 
-def megatron_sp_floor(cfg, seed):
+def _gather_seq_op(comm, x):
+    return _SeqComm.apply(comm, _gather_seq, _scatter_seq, x)
+
+
+def _scatter_seq_op(comm, y):
+    return _SeqComm.apply(comm, _scatter_seq, _gather_seq, y)
+
+
+def megatron_sp_floor(cfg, seed, comm="gloo"):
     """The single-process Llama pre-sliced for this rank, with tp_plan's sequence-parallel communication.
 
     ``model.sync_grads()`` (after backward) all-reduces the norm weights' gradients in one buffer.
+    ``comm``: ``"gloo"`` (c10d's collectives) or ``"shm"`` (shardprop's), see the module docstring.
     """
     from shardprop.demo.model import Llama
     n, r = dist.get_world_size(), dist.get_rank()
     if cfg.seq_len % n or cfg.vocab_size % n:
         raise ValueError(f"megatron_sp_floor: seq_len {cfg.seq_len} and vocab_size {cfg.vocab_size} must be "
                          f"divisible by the {n} ranks")
+    comm = _make_comm(comm)
     model = Llama(cfg, seed)
 
     def gather_in(mod, args):
-        return (_GatherSeq.apply(args[0]),) + tuple(args[1:])
+        return (_gather_seq_op(comm, args[0]),) + tuple(args[1:])
 
     def scatter_out(mod, args, out):
-        return _ScatterSeq.apply(out)
+        return _scatter_seq_op(comm, out)
 
     emb = model.tok_embeddings
     _keep_rows(emb)
@@ -195,10 +270,10 @@ def megatron_sp_floor(cfg, seed):
     def embed(tokens):  # the ids this rank holds, zeros elsewhere: a partial sum over ranks
         outside = (tokens < lo) | (tokens >= lo + k)
         y = F.embedding((tokens - lo).masked_fill(outside, 0), emb.weight)
-        return _ScatterSeq.apply(y.masked_fill(outside.unsqueeze(-1), 0.0))
+        return _scatter_seq_op(comm, y.masked_fill(outside.unsqueeze(-1), 0.0))
 
     emb.forward = embed
-    _slice_and_hook(model, gather_in, scatter_out)
+    _slice_and_hook(model, comm, gather_in, scatter_out)
     norms = [m.weight for name, m in model.named_modules() if name.endswith("norm")]
 
     @torch.no_grad()
@@ -207,7 +282,7 @@ def megatron_sp_floor(cfg, seed):
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
+        comm.all_reduce_(flat)
         off = 0
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))

@@ -6,6 +6,9 @@ backward + optimizer step:
 * ``floor``: Megatron TP written by hand on plain local tensors (``bench/tp_floor.py``);
 * ``floor SP``: the same with sequence parallelism, communicating exactly as ``tp_plan`` does
   (``megatron_sp_floor``): how much of the titan contenders' time is the plan's communication;
+* ``floor shm`` / ``floor SP shm``: the same two floors with every collective made by
+  shardprop's own CPU collectives (``comm="shm"``: shared memory between ranks of one host, the
+  transport ``ours`` uses) instead of gloo's: the floor on equal communication;
 * ``ours titan`` / ``ref titan``: the demo's ``tp_plan`` (torchtitan style, sequence parallel)
   under shardprop / torch.distributed.tensor;
 * ``ours per-linear``: Colwise on wq/wk/wv/w1/w3/output (``output_layouts=Replicate()``: full
@@ -15,10 +18,13 @@ Optimizers SGD and AdamW with ``foreach`` left at torch's default (off for CPU t
 sizes ``demo`` (the model options given) and ``issue`` (dim 256, 8 heads, 2 layers, seq 128,
 batch 8, vocab 1024). Contenders alternate step by step after a warm-up (``time_interleaved``);
 the table shows medians and each one over the floor's median of the same run (and the titan
-contenders' over ``floor SP``'s). Step 0 is the correctness check: every contender's loss must
-equal the floor's.
+contenders' over ``floor SP``'s); ``x floor shm`` shows ours over ``floor shm`` and ``x floor SP
+shm`` ours titan over ``floor SP shm``: the ratios on equal transport. Step 0 is the correctness
+check: every contender's loss must equal the floor's (the first contender's when the floor is
+not run).
 
-Targets (issue 13): ours titan <= 1.10x floor, ours per-linear <= 1.25x floor, same losses.
+Targets (issue 13): ours titan <= 1.10x floor, ours per-linear <= 1.25x floor, same losses
+(against the gloo ``floor``; the shm ratios are shown, not checked).
 
     python bench/tp.py --floor [--reps 10] [--warmup 3] [--sizes demo,issue] [--optims sgd,adamw] [--json out.json]
 """
@@ -42,8 +48,10 @@ from tp_floor import megatron_floor, megatron_sp_floor  # noqa: E402
 
 WORLD = 4
 LOSS_RTOL = 1e-4
-CONTENDERS = ("floor", "floor SP", "ours titan", "ours per-linear", "ref titan")
+CONTENDERS = ("floor", "floor SP", "floor shm", "floor SP shm", "ours titan", "ours per-linear", "ref titan")
 SP_RATIO = ("ours titan", "ref titan")  # also shown over floor SP (same communication)
+SHM_RATIO = ("ours titan", "ours per-linear")  # also shown over floor shm (same transport)
+SP_SHM_RATIO = ("ours titan",)  # and over floor SP shm (same communication, same transport)
 TARGETS = {"ours titan": 1.10, "ours per-linear": 1.25}
 ISSUE_SIZE = dict(dim=256, layers=2, heads=8, vocab=1024, seq=128, batch=8)
 
@@ -69,10 +77,9 @@ class _Contender:
     def __init__(self, name, cfg, optim, batch, seed):
         from shardprop.demo.model import Llama, tp_plan
         self.cfg, self.batch, self.seed = cfg, batch, seed
-        if name == "floor":
-            model = megatron_floor(cfg, seed)
-        elif name == "floor SP":
-            model = megatron_sp_floor(cfg, seed)
+        if name.startswith("floor"):
+            build = megatron_sp_floor if name.startswith("floor SP") else megatron_floor
+            model = build(cfg, seed, comm="shm" if name.endswith(" shm") else "gloo")
         elif name.startswith("ours"):
             import shardprop
             mesh = shardprop.init_device_mesh("cpu", (WORLD,))
@@ -105,6 +112,11 @@ def _sizes(args) -> dict:
     return {"demo": demo, "issue": dict(ISSUE_SIZE)}
 
 
+def _over(med: dict, base: str, names) -> dict:
+    """``names``' medians over ``base``'s (empty when ``base`` did not run)."""
+    return {name: med[name] / med[base] for name in names if name in med} if base in med else {}
+
+
 def bench_ranks(rank, world, args):
     from shardprop.demo.model import LlamaConfig
     warnings.filterwarnings("ignore")
@@ -121,8 +133,9 @@ def bench_ranks(rank, world, args):
             out[f"{size} {optim}"] = dict(model=m, median_ms=med, samples_ms=samples, first_loss=losses,
                                           ratio={name: ms / med["floor"] for name, ms in med.items()}
                                           if "floor" in med else {},
-                                          ratio_sp={name: med[name] / med["floor SP"] for name in SP_RATIO
-                                                    if name in med} if "floor SP" in med else {})
+                                          ratio_sp=_over(med, "floor SP", SP_RATIO),
+                                          ratio_shm=_over(med, "floor shm", SHM_RATIO),
+                                          ratio_sp_shm=_over(med, "floor SP shm", SP_SHM_RATIO))
     return out
 
 
@@ -130,22 +143,25 @@ def report(results, args) -> list:
     from tabulate import tabulate
     rows, misses = [], []
     for key, r in results.items():
-        floor_loss = r["first_loss"].get("floor")
+        base = "floor" if "floor" in r["first_loss"] else next(iter(r["first_loss"]))
+        floor_loss = r["first_loss"][base]
         for name, ms in r["median_ms"].items():
             loss = r["first_loss"][name]
-            rows.append([key, name, ms, r["ratio"].get(name), r.get("ratio_sp", {}).get(name), loss])
-            if floor_loss is not None and abs(loss - floor_loss) > LOSS_RTOL * abs(floor_loss):
-                misses.append(f"  {key} {name}: first-step loss {loss:.6f} vs the floor's {floor_loss:.6f}")
+            rows.append([key, name, ms] + [r.get(k, {}).get(name) for k in ("ratio", "ratio_sp", "ratio_shm",
+                                                                           "ratio_sp_shm")] + [loss])
+            if abs(loss - floor_loss) > LOSS_RTOL * abs(floor_loss):
+                misses.append(f"  {key} {name}: first-step loss {loss:.6f} vs {base}'s {floor_loss:.6f}")
             target = TARGETS.get(name)
             if target is not None and name in r["ratio"] and r["ratio"][name] > target:
                 misses.append(f"  {key} {name}: {r['ratio'][name]:.2f}x the floor (> {target:.2f}x)")
     sizes = _sizes(args)
-    print(f"\ntp={WORLD} (gloo, 1 thread per rank), one step = fwd + bwd + optimizer step; median of "
-          f"{args['reps']} interleaved steps, ms = max over ranks")
+    print(f"\ntp={WORLD} (gloo; floors *shm: shardprop's collectives; 1 thread per rank), one step = fwd + bwd + "
+          f"optimizer step; median of {args['reps']} interleaved steps, ms = max over ranks")
     for size in args["sizes"]:
         print(f"  {size}: " + ", ".join(f"{k} {v}" for k, v in sizes[size].items()))
     print()
-    print(tabulate(rows, headers=["size optimizer", "contender", "ms/step", "x floor", "x floor SP", "first loss"],
+    print(tabulate(rows, headers=["size optimizer", "contender", "ms/step", "x floor", "x floor SP", "x floor shm",
+                                  "x floor SP shm", "first loss"],
                    floatfmt=".3f"))
     return print_targets("ours titan <= 1.10x floor, ours per-linear <= 1.25x floor, same losses", misses)
 

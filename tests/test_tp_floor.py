@@ -3,6 +3,8 @@
 Both floors (Megatron TP, and Megatron TP with sequence parallelism) must give the single-process
 model's losses over a few SGD steps (so forward, every gradient and the norm-gradient all-reduce
 are right), and the SP floor must issue exactly the collectives of the demo's ``tp_plan``.
+Built with ``comm="shm"`` (shardprop's collectives instead of gloo's), each floor must give the
+same loss and gradients as with ``comm="gloo"``, and make its collectives through shardprop.
 """
 import os
 import sys
@@ -37,6 +39,48 @@ def _floor_losses(kind):
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def _one_step(kind, comm):
+    """(loss, {param name: local grad}, collectives shardprop counted) of one fwd + bwd (+ grad sync)."""
+    from tp_floor import megatron_floor, megatron_sp_floor
+
+    import shardprop
+    from shardprop.demo.model import LlamaConfig, lm_loss, synthetic_batch
+    cfg = LlamaConfig(**CFG)
+    model = (megatron_sp_floor if kind == "sp" else megatron_floor)(cfg, seed=0, comm=comm)
+    tokens, targets = synthetic_batch(cfg, BATCH, 0)
+    with shardprop.comm_counter() as counter:
+        loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        if kind == "sp":
+            model.sync_grads()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.item(), grads, counter.total[0]
+
+
+def _gloo_and_shm(kind):
+    return _one_step(kind, "gloo"), _one_step(kind, "shm")
+
+
+@pytest.mark.parametrize("kind", ["megatron", "sp"])
+def test_shm_floor_matches_gloo_floor(kind):
+    from shardprop.demo.model import Llama, LlamaConfig, lm_loss, synthetic_batch
+    cfg = LlamaConfig(**CFG)
+    tokens, targets = synthetic_batch(cfg, BATCH, 0)
+    want = lm_loss(Llama(cfg, 0)(tokens), targets).item()  # one process, plain torch
+    for (gloo_loss, gloo_grads, gloo_calls), (shm_loss, shm_grads, shm_calls) in run_on_ranks(4, _gloo_and_shm, kind):
+        assert gloo_loss == pytest.approx(want, rel=1e-5) and shm_loss == pytest.approx(want, rel=1e-5)
+        assert shm_grads.keys() == gloo_grads.keys()
+        for name, g in gloo_grads.items():
+            torch.testing.assert_close(shm_grads[name], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert gloo_calls == 0 and shm_calls > 0  # gloo's collectives vs shardprop's
+
+
+def test_unknown_comm_is_an_error():
+    from tp_floor import _make_comm
+    with pytest.raises(ValueError, match="comm='tcp'"):
+        _make_comm("tcp")
 
 
 @pytest.mark.slow  # checks bench code; SHARDPROP_SLOW=1 make test runs it
