@@ -123,6 +123,18 @@ def _exchange(pieces_out: Sequence[torch.Tensor], pieces_in: Sequence[torch.Tens
     """
     n = len(ranks)
     me, peer = _group_layout(group, ranks)
+    shm = shm_transport.active()
+    if shm is not None:
+        glob = _covered(group, shm)
+        if glob is not None:  # hot path: every peer through the rings, nothing for gloo
+            handles = [(shm.recv(glob[peer[j]], pieces_out[j]), None, None)
+                       for j in ((me - k) % n for k in range(1, n)) if pieces_out[j].numel()]
+            for j in ((me + k) % n for k in range(1, n)):
+                if pieces_in[j].numel():
+                    shm.send(glob[peer[j]], pieces_in[j])
+            shm.flush()
+            pieces_out[me].copy_(pieces_in[me])
+            return Pending(handles, ())
     sends = [(pieces_in[(me + k) % n], peer[(me + k) % n], TAG) for k in range(1, n)]
     recvs = [(pieces_out[(me - k) % n], peer[(me - k) % n], TAG) for k in range(1, n)]
     return exchange(sends, recvs, group, ((pieces_in[me], pieces_out[me]),))
@@ -175,7 +187,7 @@ def small_all_reduce(t: torch.Tensor, n: int, op: str, group=None) -> bool:
     if nbytes > SHM_ALL_REDUCE_BYTES or group is None:
         return False
     shm = shm_transport.active()
-    return shm is not None and shm.covers(_globals(group))
+    return shm is not None and _covered(group, shm) is not None
 
 
 def all_reduce_into(t: torch.Tensor, group, ranks: Sequence[int]) -> tuple:
@@ -329,6 +341,20 @@ def _globals(group) -> tuple:
             _global_of.clear()
         hit = _global_of[group] = tuple(dist.get_global_rank(group, i) for i in range(group.size()))
     return hit
+
+
+_covered_by: dict = {}
+
+
+def _covered(group, shm) -> Optional[tuple]:
+    """The global ranks of ``group`` if shared memory reaches all of them from here, else None."""
+    hit = _covered_by.get(group)
+    if hit is None or hit[0] is not shm:
+        if len(_covered_by) > 1024:
+            _covered_by.clear()
+        glob = _globals(group)
+        hit = _covered_by[group] = (shm, glob if shm.covers(glob) else None)
+    return hit[1]
 
 
 def _through_shm(shm, sends: Sequence[tuple], recvs: Sequence[tuple], group):
