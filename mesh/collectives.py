@@ -262,6 +262,14 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
             return AsyncTensor(work, stacked, after, t.shape)
         work.wait()
         return after(stacked)
+    if not async_op and direct.usable(t, n) and direct.shm_two_phase(op, group):
+        # Bigger tensors between ranks of one host: reduce-scatter + all-gather through shared
+        # memory (measured 1.2-1.7x faster than gloo's ring from 2 to 64 MB on 4 ranks).
+        t = t.contiguous()
+        if _counters:
+            _count("all_reduce", t)
+        out = direct.all_reduce_two_phase(t if inplace else buffer_pool.empty_like(t), t, group, ranks, op)
+        return _avg(n)(out) if op == "avg" else out
     if inplace and t.is_contiguous():
         out = t
     elif buffer_pool.plain(t):

@@ -190,6 +190,45 @@ def small_all_reduce(t: torch.Tensor, n: int, op: str, group=None) -> bool:
     return shm is not None and _covered(group, shm) is not None
 
 
+def shm_two_phase(op: str, group) -> bool:
+    """Whether an all-reduce too big for one round goes as reduce-scatter + all-gather through shared memory.
+
+    That is every rank of ``group`` on one host: each rank then moves about 1.5x the tensor
+    through memory copies, where gloo's ring moves 1.5x through sockets in 2(n-1) steps.
+
+    Example:
+        >>> shm_two_phase("sum", None)
+        False
+    """
+    if op not in _REDUCE or group is None:
+        return False
+    shm = shm_transport.active()
+    return shm is not None and _covered(group, shm) is not None
+
+
+def all_reduce_two_phase(out: torch.Tensor, t: torch.Tensor, group, ranks: Sequence[int], op: str) -> torch.Tensor:
+    """All-reduce of ``t`` (contiguous) into ``out`` (may be ``t``): reduce-scatter then all-gather, synchronous.
+
+    The flat tensor is cut into ``n`` near-equal chunks; rank ``j`` reduces chunk ``j`` and
+    sends it to every peer. ``avg`` is summed here, divided by the caller.
+
+    Example:
+        >>> all_reduce_two_phase(x, x, group, ranks, "sum")  # doctest: +SKIP
+    """
+    n = len(ranks)
+    me = _group_layout(group, ranks)[0]
+    flat_in, flat_out = t.view(-1), out.view(-1)
+    step = max(1, -(-flat_in.numel() // n))
+    ins, outs = list(flat_in.split(step)), list(flat_out.split(step))
+    ins += [flat_in[:0]] * (n - len(ins))
+    outs += [flat_out[:0]] * (n - len(outs))
+    stacked = buffer_pool.empty((n, ins[me].numel()), t)
+    _exchange(list(stacked.unbind(0)), ins, group, ranks).wait()
+    reduce(stacked, op, out=outs[me])
+    _exchange(outs, [outs[me]] * n, group, ranks).wait()
+    return out
+
+
 def all_reduce_into(t: torch.Tensor, group, ranks: Sequence[int]) -> tuple:
     """Post a direct all-reduce of ``t`` (contiguous): every rank's whole ``t`` to every peer.
 
@@ -422,6 +461,6 @@ def _split(t: torch.Tensor, sizes: Optional[Sequence[int]], n: int) -> List[torc
     return list(t.split(list(sizes), 0))
 
 
-__all__ = ["MAX_GROUP", "Pending", "Works", "all_gather", "all_reduce_into", "all_to_all", "all_to_all_views",
-           "can_reduce", "exchange", "exchange_global", "reduce", "reduce_scatter_into", "set_enabled",
-           "small_all_reduce", "usable"]
+__all__ = ["MAX_GROUP", "Pending", "Works", "all_gather", "all_reduce_into", "all_reduce_two_phase", "all_to_all",
+           "all_to_all_views", "can_reduce", "exchange", "exchange_global", "reduce", "reduce_scatter_into",
+           "set_enabled", "shm_two_phase", "small_all_reduce", "usable"]

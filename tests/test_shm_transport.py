@@ -61,6 +61,27 @@ def test_collectives_go_through_shared_memory_and_leave_no_files():
         assert leftover == []
 
 
+def _big_all_reduce():
+    """All-reduces over 1 MB go as reduce-scatter + all-gather through the rings (uneven chunks too)."""
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    from shardprop.mesh import shm_transport
+    mesh = init_device_mesh("cpu", (4,))
+    me, t = dist.get_rank(), shm_transport.active()
+    datas = [_rank_data((300_001,), r, 5) for r in range(4)]
+    before = t.messages_sent
+    for op, want in (("sum", sum(datas)), ("avg", sum(datas) / 4), ("max", torch.stack(datas).amax(0))):
+        torch.testing.assert_close(C.all_reduce(datas[me].clone(), mesh, (0,), op), want)
+    mine = datas[me].clone()
+    out = C.all_reduce(mine, mesh, (0,), "sum", inplace=True)
+    torch.testing.assert_close(mine, sum(datas))
+    return out.data_ptr() == mine.data_ptr() and t.messages_sent - before == 4 * 6
+
+
+def test_big_all_reduces_go_in_two_phases_through_shared_memory():
+    assert all(run_on_ranks(4, _big_all_reduce, timeout=60))
+
+
 def _wrap_and_fill():
     """A 64 KB ring (32 KB chunks): many posted collectives wrap it and fill it up; big messages stream."""
     from shardprop import init_device_mesh
