@@ -172,6 +172,41 @@ def test_different_calls_give_an_error_naming_the_sizes():
     assert msgs[1:] == ["no error"] * 3
 
 
+def _two_hosts():
+    """Ranks 0-1 and 2-3 on "different hosts": rings within a host, gloo's messages across, in one call."""
+    from unittest import mock
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    from shardprop.mesh import shm_transport
+    me = dist.get_rank()
+    with mock.patch.object(shm_transport, "_host_id", lambda: f"host{me // 2}"):
+        _reattach()
+    try:
+        t = shm_transport.active()
+        assert t.carries(me ^ 1) and not t.carries((me + 2) % 4)
+        mesh = init_device_mesh("cpu", (4,))
+        before = t.messages_sent
+        x = _rank_data((5, 3), me)
+        assert torch.equal(C.all_gather(x, mesh, (0,)), torch.cat([_rank_data((5, 3), r) for r in range(4)]))
+        assert t.messages_sent - before == 1  # the same-host peer only
+        for n in (7, 300_001):  # small (one round) and big (gloo's ring: the group is not all on one host)
+            datas = [_rank_data((n,), r, 3) for r in range(4)]
+            torch.testing.assert_close(C.all_reduce(datas[me], mesh, (0,)), sum(datas))
+        m2 = init_device_mesh("cpu", (2, 2))  # dim 1 groups are one host each, dim 0 groups span both
+        for d in (0, 1):
+            group_ranks = m2.group_for((d,))[1]
+            got = C.reduce_scatter(_rank_data((4, 2), me, 4), m2, (d,))
+            want = sum(_rank_data((4, 2), r, 4) for r in group_ranks).chunk(2)[group_ranks.index(me)]
+            torch.testing.assert_close(got, want)
+        return True
+    finally:
+        _reattach()
+
+
+def test_ranks_on_two_hosts_mix_rings_and_gloo_in_one_call():
+    assert all(run_on_ranks(4, _two_hosts, timeout=60))
+
+
 def _switched_off():
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
