@@ -25,6 +25,7 @@ until it is waited on). While a sender waits for room in a full ring it does the
 two ranks sending to each other cannot block one another.
 
 Set ``SHARDPROP_SHM_TRANSPORT=0`` to keep gloo's point-to-point messages;
+``SHARDPROP_SHM_SPINS`` how often a waiting rank yields its core before it sleeps (default 200);
 ``SHARDPROP_SHM_RING_MB`` sets the ring size per peer (default 4; messages up to half of it
 go in one piece, larger ones in chunks, the receiver copying one out while the next goes in).
 
@@ -58,7 +59,10 @@ MAX_RANKS_PER_HOST = 16
 # Taking and releasing a lock is a locked instruction: a full memory fence on x86 (a store
 # before it is visible to other cores before any load after it).
 _FENCE = threading.Lock()
-_SPINS = int(os.environ.get("SHARDPROP_SHM_SPINS", "0"))
+# Tries (each a sched_yield) before a waiting rank sleeps on its pipe: a yield hands the core to a
+# runnable rank, a sleep costs a wake-up later. Measured on 4 ranks / 2 cores, interleaved TP steps
+# (torchtitan plan): 200 tries against 0 took 15% off at dim 64 and 3% at dim 256.
+_SPINS = int(os.environ.get("SHARDPROP_SHM_SPINS", "200"))
 
 
 def _enabled_by_env() -> bool:
