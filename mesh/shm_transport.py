@@ -10,12 +10,14 @@ a ring in the receiver's shared memory and wake it through a pipe: one copy in, 
 
 Layout: every rank owns one mailbox file (in ``/dev/shm``) holding one ring per same-host
 peer, and one named pipe. A sender appends ``[header | payload]`` to its ring in the
-receiver's mailbox, publishes the new head, and writes one byte to the receiver's pipe
-(non-blocking; a full pipe already holds wake-ups). A receiver copies messages out in the
-order they were sent, publishes the new tail, and sleeps on its pipe when nothing is there.
-Headers carry the size and a sequence number, so ranks that made different calls get an
-error naming both, not garbage. The files are unlinked once every rank has opened them:
-nothing is left in ``/dev/shm`` however a process ends.
+receiver's mailbox, publishes the new head, and writes one byte to the receiver's pipe if the
+receiver sleeps (non-blocking; a full pipe already holds wake-ups). A receiver copies messages
+out in the order they were sent, publishes the new tail, and sleeps on its pipe when nothing
+is there. Headers carry the size and a sequence number, so ranks that made different calls
+get an error naming both, not garbage. A sleeping rank checks every second that the peers it
+waits on still run: one that exited gives an error at once (as gloo notices a closed socket);
+one that hangs, an error after the collective timeout. The files are unlinked once every rank
+has opened them: nothing is left in ``/dev/shm`` however a process ends.
 
 Messages between two ranks are delivered in the order they were posted, whatever their
 process group: every rank makes its collectives in program order. Receives are completed
@@ -132,8 +134,9 @@ class Transport:
     """
 
     def __init__(self, rank: int, cap: int, mailbox: mmap.mmap, pipe: int, inbound: Dict[int, int],
-                 peers: Dict[int, tuple]) -> None:
+                 peers: Dict[int, tuple], pids: Optional[Dict[int, int]] = None) -> None:
         self.rank, self.cap, self.max_message = rank, cap, cap // 2
+        self._pids = dict(pids or {})  # peers whose process this one can see (same pid namespace)
         self._mailbox, self._pipe = mailbox, pipe
         mine = torch.frombuffer(mailbox, dtype=torch.uint8)
         self._in = {src: _Ring(mailbox, mine, off, cap) for src, off in inbound.items()}
@@ -203,7 +206,7 @@ class Transport:
         wrap = off + need > cap
         end = head + (cap - off if wrap else 0) + need
         if end - ring.counters[8] > cap:
-            self._wait(lambda: end - ring.counters[8] <= cap, None, room=ring,
+            self._wait(lambda: end - ring.counters[8] <= cap, None, room=ring, room_peer=dst,
                        what=f"rank {dst} did not take the messages of rank {self.rank}")
         if wrap:
             ring.words[off // 8] = _WRAP
@@ -249,12 +252,14 @@ class Transport:
             self._wait(lambda: handle.done, timeout,
                        what=f"rank {self.rank} waited for a message from rank {handle.src}")
 
-    def _wait(self, ready, timeout, room: Optional[_Ring] = None, what: str = "") -> None:
+    def _wait(self, ready, timeout, room: Optional[_Ring] = None, what: str = "", room_peer: int = -1) -> None:
         """Take messages in until ``ready()``; between tries yield, then sleep until a peer wakes us.
 
         Before sleeping, this rank raises the "asleep" flag of every ring it expects a message
         on (and the "room wanted" flag of ``room``), fences, and looks once more: a peer stores
-        its counter, fences and reads the flag, so one of the two sees the other's store.
+        its counter, fences and reads the flag, so one of the two sees the other's store. After
+        each second asleep with nothing in, the peers waited on must still be running: one that
+        exited gives an error at once, not after the collective timeout.
         """
         limit = _groups.collective_timeout().total_seconds() if timeout is None else _seconds(timeout)
         deadline = time.monotonic() + limit
@@ -277,21 +282,34 @@ class Transport:
             with _FENCE:
                 pass
             self._progress()
-            left = deadline - time.monotonic()
+            left, woke = deadline - time.monotonic(), True
             if not ready() and left > 0:
                 self._lock.release()
                 try:
-                    if self._poll.poll(min(int(left * 1000) + 1, 1000)):
+                    woke = self._poll.poll(min(int(left * 1000) + 1, 1000))
+                    if woke:
                         try:
                             os.read(self._pipe, 65536)  # drain the wake-ups; the rings say what arrived
                         except BlockingIOError:
                             pass
                 finally:
                     self._lock.acquire()
+                if not woke:
+                    waited_on = [src for src, queue in self._pending.items() if queue] + [room_peer]
+                    self._check_alive(waited_on, flags)
             for counters, i in flags:
                 counters[i] = 0
             if time.monotonic() > deadline and not ready():
                 raise _timed_out(f"{what} for {limit:g} s")
+
+    def _check_alive(self, peers, flags) -> None:
+        for peer in peers:
+            pid = self._pids.get(peer)
+            if pid is not None and not _running(pid):
+                for counters, i in flags:
+                    counters[i] = 0
+                raise RuntimeError(f"rank {peer} (process {pid}) exited while rank {self.rank} waited on it "
+                                   "through shared memory")
 
     def _progress(self) -> None:
         for src, queue in self._pending.items():
@@ -355,6 +373,21 @@ def _copy_out(ring: _Ring, off: int, view: torch.Tensor, nbytes: int) -> None:
         ctypes.memmove(view.data_ptr(), ring.address + off, nbytes)
     else:
         view.copy_(ring.data[off:off + nbytes].view(view.dtype).view(view.shape))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 checks without sending; a zombie counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _seconds(timeout) -> float:
@@ -442,10 +475,10 @@ def attach() -> Optional[Transport]:
     except OSError:
         peers = []
     names = [None] * n
-    dist.all_gather_object(names, (stem, peers), group=world)
+    dist.all_gather_object(names, (stem, peers, os.getpid()), group=world)
     opened, ok = {}, bool(peers)
     for dst in peers:
-        dst_stem, dst_peers = names[dst]
+        dst_stem, dst_peers, _ = names[dst]
         if dst_stem is None or me not in dst_peers:
             ok = False
             break
@@ -471,7 +504,8 @@ def attach() -> Optional[Transport]:
             os.close(made[1])
         return None
     inbound = {src: i * (_COUNTERS + cap) for i, src in enumerate(peers) if src in pairs}
-    transport = Transport(me, cap, made[0], made[1], inbound, {r: opened[r] for r in pairs})
+    pids = {r: names[r][2] for r in pairs if _running(names[r][2])}  # a pid we cannot see is not checked
+    transport = Transport(me, cap, made[0], made[1], inbound, {r: opened[r] for r in pairs}, pids)
     for r in opened.keys() - set(pairs):
         os.close(opened[r][1])
     _state["transport"] = transport

@@ -225,3 +225,46 @@ def _switched_off():
 
 def test_switched_off_the_messages_go_through_gloo():
     assert all(run_on_ranks(4, _switched_off, timeout=60))
+
+
+def _dies_or_waits(rank, port, out_path):
+    """Rank 1 exits once the mesh is built; rank 0 then waits for its piece of an all-gather."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      SHARDPROP_COLLECTIVE_TIMEOUT="120")
+    import time
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        C.all_gather(torch.ones(3), mesh, (0,))
+        msg = "completed"
+    except RuntimeError as e:
+        msg = str(e)
+    with open(out_path, "w") as f:
+        f.write(f"{time.monotonic() - t0:.1f}\n{msg}")
+    os._exit(0)
+
+
+def test_a_peer_that_exited_gives_an_error_at_once_not_after_the_timeout(tmp_path):
+    import multiprocessing
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = tmp_path / "rank0.txt"
+    procs = [ctx.Process(target=_dies_or_waits, args=(r, port, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+        if p.is_alive():
+            p.kill()
+    seconds, msg = out.read_text().split("\n", 1)
+    assert "rank 1 (process " in msg and "exited while rank 0 waited on it" in msg, msg
+    assert float(seconds) < 20, seconds  # the collective timeout is 120 s
