@@ -491,7 +491,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
             t = buf
         posted.append(dist.P2POp(dist.irecv, t, peer, group, tag))
     ops = [dist.P2POp(dist.isend, _packed(t), peer, group, tag) for t, peer, tag in sends] + posted
-    work = direct.Works(dist.batch_isend_irecv(ops) if ops else [])
+    work = direct.Works(dist.batch_isend_irecv(ops) if ops else [], direct=False)
     for src, dst in keep:
         dst.copy_(src)
     if not async_op:

@@ -71,28 +71,33 @@ def usable(t: torch.Tensor, n: int) -> bool:
 
 
 class Works:
-    """The messages of one collective, waited on as one."""
+    """The messages of one collective, waited on as one.
 
-    __slots__ = ("_works",)
+    ``direct=False`` for messages the backend batches itself (``batch_isend_irecv``): an error
+    then does not point at this module's path.
+    """
 
-    def __init__(self, works) -> None:
-        self._works = works
+    __slots__ = ("_works", "_direct")
+
+    def __init__(self, works, direct: bool = True) -> None:
+        self._works, self._direct = works, direct
 
     def wait(self, timeout=None) -> bool:
         try:
             for w in self._works:
                 w.wait() if timeout is None else w.wait(timeout)
         except RuntimeError as e:
-            raise _failed(e) from e
+            raise _failed(e, self._direct) from e
         return True
 
 
-def _failed(e: Exception) -> RuntimeError:
+def _failed(e: Exception, direct: bool = True) -> RuntimeError:
     """The backend's error (a timeout, a peer gone) saying which path it came from and what to check."""
-    return RuntimeError(f"shardprop: a collective sent as direct point-to-point messages did not complete: {e}\n"
+    what = "a collective sent as direct point-to-point messages" if direct else "a batch of point-to-point messages"
+    switch = "; SHARDPROP_DIRECT_COLLECTIVES=0 uses the backend's own collectives." if direct else "."
+    return RuntimeError(f"shardprop: {what} did not complete: {e}\n"
                         "Every rank of the group must make the same collective calls in the same order "
-                        "(a timeout usually means one rank failed or took another path); "
-                        "SHARDPROP_DIRECT_COLLECTIVES=0 uses the backend's own collectives.")
+                        f"(a timeout usually means one rank failed or took another path){switch}")
 
 
 # (group, ranks) -> (this rank's index in ranks, each index's rank within the group): the group's own

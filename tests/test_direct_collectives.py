@@ -176,3 +176,20 @@ def test_a_missing_rank_gives_an_error_not_a_hang():
         assert msg.startswith("shardprop: a collective sent as direct point-to-point messages did not complete"), msg
         assert "SHARDPROP_DIRECT_COLLECTIVES=0" in msg
 
+
+
+def test_errors_name_the_path_the_messages_took():
+    from shardprop.mesh import direct_collectives as direct
+
+    class _Broken:
+        def wait(self, timeout=None):
+            raise RuntimeError("peer gone")
+    msgs = []
+    for on_direct in (True, False):
+        with pytest.raises(RuntimeError) as e:
+            direct.Works([_Broken()], direct=on_direct).wait()
+        msgs.append(str(e.value))
+    assert msgs[0].startswith("shardprop: a collective sent as direct point-to-point messages did not complete: peer gone")
+    assert "SHARDPROP_DIRECT_COLLECTIVES=0" in msgs[0]
+    assert msgs[1].startswith("shardprop: a batch of point-to-point messages did not complete: peer gone")
+    assert "SHARDPROP_DIRECT_COLLECTIVES" not in msgs[1]
