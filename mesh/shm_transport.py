@@ -41,6 +41,7 @@ import collections
 import ctypes
 import mmap
 import os
+import platform
 import select
 import socket
 import tempfile
@@ -67,8 +68,13 @@ _FENCE = threading.Lock()
 _SPINS = int(os.environ.get("SHARDPROP_SHM_SPINS", "200"))
 
 
+# The ordering argument (payload stores before the head store, a locked instruction as a full
+# fence) is x86's: elsewhere the rings stay off and gloo carries the messages.
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
 def _enabled_by_env() -> bool:
-    return os.environ.get("SHARDPROP_SHM_TRANSPORT", "1") != "0" and os.environ.get(
+    return _X86 and os.environ.get("SHARDPROP_SHM_TRANSPORT", "1") != "0" and os.environ.get(
         "SHARDPROP_DIRECT_COLLECTIVES", "1") != "0"
 
 
