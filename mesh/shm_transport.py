@@ -173,6 +173,10 @@ class Transport:
         """Whether every one of ``peers`` (global ranks; this rank may be among them) is reached through rings.
 
         Every rank of a group gives the same answer: pairs are set up symmetrically.
+
+        Example:
+            >>> active().covers([0, 1, 2, 3])  # doctest: +SKIP
+            True
         """
         return all(p == self.rank or p in self._out for p in peers)
 
@@ -182,6 +186,9 @@ class Transport:
 
         A message longer than :attr:`max_message` goes in chunks, each waking ``dst`` if it
         sleeps: the receiver copies one out while the next goes in.
+
+        Example:
+            >>> t = active(); t.send(1, torch.ones(4)); t.flush()  # doctest: +SKIP
         """
         nbytes = view.numel() * view.element_size()
         with self._lock:
@@ -228,6 +235,9 @@ class Transport:
 
         Called once all messages of a collective are in their rings: a woken receiver may take
         this core at once, and then finds everything this rank sends it.
+
+        Example:
+            >>> active().flush()  # doctest: +SKIP
         """
         sent, self._sent = self._sent, []
         if sent:
@@ -246,14 +256,23 @@ class Transport:
 
     # -- receiving -------------------------------------------------------------------------
     def recv(self, src: int, view: torch.Tensor) -> _Recv:
-        """Post a receive of the next message from ``src`` into ``view``; ``wait()`` on the result."""
+        """Post a receive of the next message from ``src`` into ``view``; ``wait()`` on the result.
+
+        Example:
+            >>> out = torch.empty(4); active().recv(0, out).wait()  # doctest: +SKIP
+            True
+        """
         handle = _Recv(self, src, view)
         with self._lock:
             self._pending[src].append(handle)
         return handle
 
     def complete(self, handle: _Recv, timeout=None) -> None:
-        """Copy in messages (in order per sender) until ``handle``'s is in; sleep on the pipe meanwhile."""
+        """Copy in messages (in order per sender) until ``handle``'s is in; sleep on the pipe meanwhile.
+
+        Example:
+            >>> t = active(); h = t.recv(0, torch.empty(4)); t.complete(h)  # doctest: +SKIP
+        """
         with self._lock:
             self._wait(lambda: handle.done, timeout,
                        what=f"rank {self.rank} waited for a message from rank {handle.src}")
@@ -356,7 +375,11 @@ class Transport:
         return True
 
     def close(self) -> None:
-        """Release the mappings and the pipes (messages still in flight are lost)."""
+        """Release the mappings and the pipes (messages still in flight are lost).
+
+        Example:
+            >>> active().close()  # doctest: +SKIP
+        """
         for fd in set(self._wake.values()) | {self._pipe}:
             try:
                 os.close(fd)
