@@ -189,10 +189,7 @@ def small_all_reduce(t: torch.Tensor, n: int, op: str, group=None) -> bool:
     nbytes = t.numel() * t.element_size()
     if (n - 1) * nbytes <= SMALL_ALL_REDUCE_BYTES:
         return True
-    if nbytes > SHM_ALL_REDUCE_BYTES or group is None:
-        return False
-    shm = shm_transport.active()
-    return shm is not None and _covered(group, shm) is not None
+    return nbytes <= SHM_ALL_REDUCE_BYTES and _all_on_shm(group)
 
 
 def shm_two_phase(op: str, group) -> bool:
@@ -205,9 +202,12 @@ def shm_two_phase(op: str, group) -> bool:
         >>> shm_two_phase("sum", None)
         False
     """
-    if op not in _REDUCE or group is None:
-        return False
-    shm = shm_transport.active()
+    return op in _REDUCE and _all_on_shm(group)
+
+
+def _all_on_shm(group) -> bool:
+    """Whether shared memory reaches every rank of ``group`` (the same answer on each of them)."""
+    shm = shm_transport.active() if group is not None else None
     return shm is not None and _covered(group, shm) is not None
 
 
@@ -346,9 +346,10 @@ def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequen
         True
     """
     shm = shm_transport.active()
-    shm_recvs = _through_shm(shm, sends, recvs, group) if shm is not None else None
-    if shm_recvs is not None:
-        shm_recvs, sends, recvs = shm_recvs
+    carried = _through_shm(shm, sends, recvs, group) if shm is not None else None
+    shm_handles = []
+    if carried is not None:
+        shm_handles, sends, recvs = carried
 
     def post_recvs():
         for (view, peer, tag), buf in zip(recvs, _staging([v for v, _, _ in recvs])):
@@ -371,7 +372,7 @@ def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequen
         post_recvs()
     for src, dst in keep:
         dst.copy_(src)
-    return Pending(shm_recvs + posted if shm_recvs else posted, sent)
+    return Pending(shm_handles + posted if shm_handles else posted, sent)
 
 
 _global_of: dict = {}
@@ -441,7 +442,7 @@ def exchange_global(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep:
     if local is None:
         if len(_group_ranks) > 1024:
             _group_ranks.clear()
-        local = _group_ranks[group] = {r: dist.get_group_rank(group, r) for r in dist.get_process_group_ranks(group)}
+        local = _group_ranks[group] = {g: i for i, g in enumerate(_globals(group))}
     return exchange([(v, local[p], t) for v, p, t in sends], [(v, local[p], t) for v, p, t in recvs], group, keep,
                     recvs_first)
 
