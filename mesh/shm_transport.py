@@ -143,16 +143,14 @@ class Transport:
                  peers: Dict[int, tuple], pids: Optional[Dict[int, int]] = None) -> None:
         self.rank, self.cap, self.max_message = rank, cap, cap // 2
         self._pids = dict(pids or {})  # peers whose process this one can see (same pid namespace)
-        self._mailbox, self._pipe = mailbox, pipe
+        self._pipe = pipe  # the mappings stay alive through the rings' views of them
         mine = torch.frombuffer(mailbox, dtype=torch.uint8)
         self._in = {src: _Ring(mailbox, mine, off, cap) for src, off in inbound.items()}
         self._out: Dict[int, _Ring] = {}
         self._wake: Dict[int, int] = {}
-        self._keep = []
         for dst, (buf, fd, off) in peers.items():
             self._out[dst] = _Ring(buf, torch.frombuffer(buf, dtype=torch.uint8), off, cap)
             self._wake[dst] = fd
-            self._keep.append(buf)
         self._pending: Dict[int, collections.deque] = {src: collections.deque() for src in self._in}
         self._lock = threading.Lock()
         self._sent: list = []
@@ -491,10 +489,12 @@ def attach() -> Optional[Transport]:
     me, n = dist.get_rank(), dist.get_world_size()
     hosts = [None] * n
     dist.all_gather_object(hosts, (_host_id(), _enabled_by_env(), _ring_bytes()), group=world)
-    cap = hosts[me][2]
-    local = [r for r in range(n) if hosts[r] == hosts[me] and hosts[r][1]]
+    local = [r for r in range(n) if hosts[r][:2] == hosts[me][:2] and hosts[r][1]]
     if not hosts[me][1] or len(local) < 2 or len(local) > MAX_RANKS_PER_HOST:
         local = []
+    # One ring size for the host (ranks may have been given different ones): both ends of a ring
+    # must agree on where it lies in the mailbox and where its chunks end.
+    cap = min(hosts[r][2] for r in local) if local else hosts[me][2]
     peers = [r for r in local if r != me]
     stem, made = None, None
     try:

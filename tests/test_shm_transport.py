@@ -207,6 +207,26 @@ def test_ranks_on_two_hosts_mix_rings_and_gloo_in_one_call():
     assert all(run_on_ranks(4, _two_hosts, timeout=60))
 
 
+def _ring_sizes_differ():
+    """Ranks given different ring sizes agree on one (the smallest) and still deliver."""
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    from shardprop.mesh import shm_transport
+    me = dist.get_rank()
+    old = _reattach(SHARDPROP_SHM_RING_MB="0.0625" if me == 0 else "1")
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        big = _rank_data((64, 512), me, 7)  # 128 KB: streamed in 32 KB chunks
+        same = torch.equal(C.all_gather(big, mesh, (0,)), torch.cat([_rank_data((64, 512), r, 7) for r in range(4)]))
+        return shm_transport.active().max_message, same
+    finally:
+        _reattach(**old)
+
+
+def test_ranks_given_different_ring_sizes_agree_on_one():
+    assert run_on_ranks(4, _ring_sizes_differ, timeout=60) == [(32 << 10, True)] * 4
+
+
 def _switched_off():
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
