@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from shardprop.mesh import compat
+
 # Below this a fresh buffer is as fast (glibc reuses freed memory) and taking one from the pool
 # costs more: measured on 4 gloo ranks, a 1 MB all-gather output is 4-11% faster fresh, a 2 MB one
 # 16% faster pooled.
@@ -34,8 +36,8 @@ MIN_BYTES = 3 << 19          # 1.5 MB
 MAX_BUFFERS = 16
 MAX_BYTES = 1 << 30          # kept memory, in use or not
 
-# torch's count of the references to a storage (private; absent: never reuse).
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# torch's count of the references to a storage (absent: never reuse).
+_use_count = compat.storage_use_count
 _enabled = _use_count is not None
 _lock = threading.Lock()
 # storage address (StorageImpl*) -> (nbytes, UntypedStorage handle); most recently used last.

@@ -18,14 +18,12 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool
+from shardprop.mesh import buffer_pool, compat
 from shardprop.mesh import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
-# torch 2.13 names the single-buffer collectives *_single and warns on the old
-# names; older torch has only the old names. Resolve once, at import.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = compat.all_gather_flat
+_reduce_scatter_flat = compat.reduce_scatter_flat
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import compat
 from shardprop.mesh import groups as _groups
 from shardprop.mesh import shm_transport
 
@@ -66,7 +67,7 @@ def _rank_lists(mesh: torch.Tensor, dims: Tuple[int, ...]) -> List[List[int]]:
     return [row.flatten().tolist() for row in moved]
 
 
-class DeviceMesh:
+class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh as a value
     """An n-d mesh of ranks, with its process groups created eagerly.
 
     Example:

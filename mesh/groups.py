@@ -14,6 +14,8 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import compat
+
 _DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDPROP_COLLECTIVE_TIMEOUT", "300"))
 _timeout = datetime.timedelta(seconds=_DEFAULT_TIMEOUT_S)
 
@@ -92,8 +94,8 @@ def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Opti
     me = dist.get_rank()
     keys = [(backend, tuple(int(r) for r in ranks)) for ranks in all_rank_lists]
     todo = [k for k in keys if k not in _group_cache]
-    if todo and backend == "nccl" and hasattr(dist, "split_group"):
-        split = dist.split_group(split_ranks=[list(k[1]) for k in todo], timeout=_timeout)
+    if todo and backend == "nccl" and compat.split_group is not None:
+        split = compat.split_group(split_ranks=[list(k[1]) for k in todo], timeout=_timeout)
         for k in todo:
             _group_cache[k] = split if me in k[1] else None
     else:

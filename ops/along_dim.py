@@ -26,6 +26,7 @@ import torch
 
 from shardprop.dispatch.dispatcher import _TRUE
 from shardprop.dispatch.registry import rule
+from shardprop.mesh.compat import aten_ops
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
 from .args import arg
@@ -84,9 +85,8 @@ TABLE = [
 def _resolve(table) -> dict:
     kinds = {}
     for name, overloads, kind in table:
-        packet = getattr(aten, name)
-        for o in overloads if overloads is not None else packet.overloads():
-            kinds[getattr(packet, o)] = kind
+        for op in aten_ops([name], overloads):
+            kinds[op] = kind
     return kinds
 
 

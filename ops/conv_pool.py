@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.mesh.compat import aten_ops
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
 from .nn import _arg, _inputs
@@ -48,20 +49,11 @@ UPSAMPLE_BACKWARD = [n + "_backward" for n in PLANE_OPS if "upsample" in n]
 PLANE_OPS.update({n: (PLANE_OPS[n[:-len("_backward")]][0], True) for n in UPSAMPLE_BACKWARD})
 
 
-def _ops(names):
-    out = []
-    for n in names:
-        packet = getattr(aten, n, None)
-        if packet is not None:
-            out += [getattr(packet, o) for o in packet.overloads()]
-    return out
-
-
 def _plane_kind(op):
     return PLANE_OPS[op.overloadpacket.__name__]
 
 
-@rule(*_ops(PLANE_OPS))
+@rule(*aten_ops(PLANE_OPS))
 def plane_op(ctx):
     """Shard any leading (batch/channel) dim of every tensor alike; spatial dims replicated."""
     spatial, linear = _plane_kind(ctx.op)
@@ -97,7 +89,7 @@ def _local_input_size(op, out, largs, lkwargs):
     return op(*largs, **lkwargs)
 
 
-for _op in _ops(UPSAMPLE_BACKWARD):
+for _op in aten_ops(UPSAMPLE_BACKWARD):
     register_local_call(_op, _local_input_size)
 
 

@@ -30,14 +30,14 @@ import torch
 from shardprop.dispatch import dispatcher
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.dispatch.registry import rule
+from shardprop.mesh.compat import aten_ops
 from shardprop.tensor.placement import Replicate
 from shardprop.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
 
-FUSED_OPTIMIZER_OPS = [getattr(getattr(aten, name), ov)
-                       for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
-                       if hasattr(aten, name) for ov in getattr(aten, name).overloads() if "out" not in ov]
+FUSED_OPTIMIZER_OPS = [op for op in aten_ops(("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"))
+                       if "out" not in op._overloadname]
 
 
 def _written(arg) -> bool:

@@ -29,6 +29,7 @@ import torch
 
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.dispatch.registry import rule
+from shardprop.mesh.compat import aten_packets
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Replicate, Shard
 from shardprop.tensor.redistribute import redistribute_local
@@ -46,7 +47,7 @@ _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
 def _packets(*names):
-    return [getattr(aten, n) for n in names if hasattr(aten, n)]
+    return aten_packets(names)
 
 
 # ------------------------------------------------------------------ argument helpers

@@ -9,6 +9,7 @@ import torch
 
 from shardprop.dispatch.op_schema import FLOAT, ScalarTensor
 from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.mesh.compat import aten_packets
 from shardprop.tensor.compile_support import when_dynamo_loads
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
@@ -57,13 +58,7 @@ LINEAR_FIRST = {"mul", "div", "true_divide"}
 
 
 def _packets(names):
-    out = []
-    for n in names:
-        for suffix in ("", "_"):
-            p = getattr(aten, n + suffix, None)
-            if p is not None:
-                out.append(p)
-    return out
+    return aten_packets(n + suffix for n in names for suffix in ("", "_"))
 
 
 def _aligned_dim(in_shape, out_ndim: int, d: int):
@@ -136,7 +131,7 @@ def _register_fma(dynamo) -> None:
     rule(torch.ops.prims.fma.default)(pointwise)
 
 
-when_dynamo_loads(_register_fma)
+when_dynamo_loads(_register_fma, "the sharding rule of prims.fma")
 
 
 def _conj_materialized(op, out, largs, lkwargs):

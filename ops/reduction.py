@@ -28,6 +28,7 @@ import torch
 
 from shardprop.dispatch.dispatcher import _TRUE
 from shardprop.dispatch.registry import rule
+from shardprop.mesh.compat import aten_ops
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
@@ -99,10 +100,7 @@ def _eligible(op) -> bool:
 def _resolve(table) -> dict:
     kinds = {}
     for name, overloads, kind in table:
-        packet = getattr(aten, name)
-        names = overloads if overloads is not None else packet.overloads()
-        for o in names:
-            op = getattr(packet, o)
+        for op in aten_ops([name], overloads):
             if _eligible(op):
                 kinds[op] = kind
     return kinds

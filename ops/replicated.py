@@ -32,6 +32,7 @@ from shardprop.dispatch.dispatcher import (
     wrap,
 )
 from shardprop.dispatch.propagate import ShardingError
+from shardprop.mesh.compat import aten_ops
 from shardprop.dispatch.registry import register_local_call, rule
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Replicate
@@ -83,12 +84,7 @@ STRIDED = [aten.as_strided.default, aten.as_strided_copy.default, aten.as_stride
 
 
 def _ops(groups) -> list:
-    out = []
-    for names, overloads in groups:
-        for n in names:
-            packet = getattr(aten, n)
-            out += [getattr(packet, o) for o in (overloads if overloads is not None else packet.overloads())]
-    return out
+    return [op for names, overloads in groups for op in aten_ops(names, overloads)]
 
 
 def replicate_option(ctx) -> tuple:

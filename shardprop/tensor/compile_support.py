@@ -11,17 +11,59 @@ or at once if it already is imported.
   into local tensors plus metadata (``DTensor.__tensor_flatten__``).
 - ``DeviceMesh`` as an opaque *value* type, so a mesh can be an argument of those
   calls in a graph: compiled code guards on it by equality and names it through
-  ``DeviceMesh.__fx_repr__``.
+  ``DeviceMesh.__fx_repr__`` (the API differs per release: ``shardprop.mesh.compat``).
+
+Why an import hook: torch offers no "dynamo has loaded" callback, and importing dynamo
+ourselves would cost every eager user seconds. The hook is one finder that answers for
+``torch._dynamo`` alone, once, and then removes itself.
+
+A registration never breaks torch: it runs after dynamo's own module has finished
+importing, and whatever it raises is caught and kept (:func:`compile_problems`). Eager
+code keeps working; compiling a DTensor program then raises :class:`CompileUnsupported`
+naming what failed on this torch (``DTensor.__tensor_flatten__`` calls :func:`check_compile`).
 """
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
 import sys
-from typing import Callable, List
+from typing import Callable, List, Tuple
+
+import torch
+
+from shardprop.mesh import compat
 
 _DYNAMO = "torch._dynamo"
-_pending: List[Callable] = []
+_pending: List[Tuple[Callable, str]] = []
+# "what: error" for every registration that failed on this torch (empty: compile is fully supported).
+_problems: List[str] = []
+
+
+class CompileUnsupported(RuntimeError):
+    """torch.compile of a DTensor program cannot work on this torch (a registration failed)."""
+
+
+def compile_problems() -> List[str]:
+    """The registrations for torch.compile that failed on this torch, as ``"what: error"`` lines.
+
+    Example:
+        >>> compile_problems()
+        []
+    """
+    return list(_problems)
+
+
+def check_compile() -> None:
+    """Raise :class:`CompileUnsupported` if a registration that torch.compile needs failed.
+
+    Example:
+        >>> check_compile()  # nothing failed: returns None
+    """
+    if _problems:
+        raise CompileUnsupported(
+            f"torch.compile of DTensor programs does not work on torch {torch.__version__}: "
+            + "; ".join(_problems)
+            + f". Eager DTensor code is unaffected; shardprop's compile support is tested on {compat.range_text()}.")
 
 
 def allow_in_graph(*fns) -> None:
@@ -33,33 +75,46 @@ def allow_in_graph(*fns) -> None:
     def register(dynamo):
         for fn in fns:
             dynamo.allow_in_graph(fn)
-    when_dynamo_loads(register)
+    when_dynamo_loads(register, "allow_in_graph(" + ", ".join(getattr(f, "__name__", "?") for f in fns) + ")")
 
 
 def _register_mesh(dynamo) -> None:
-    from torch._library.opaque_object import is_opaque_type, register_opaque_type
-
     from shardprop.mesh.device_mesh import DeviceMesh
-    if not is_opaque_type(DeviceMesh):
-        register_opaque_type(DeviceMesh, typ="value")
+    compat.register_opaque_value(DeviceMesh)
 
 
-def when_dynamo_loads(fn: Callable) -> None:
+def _run(fn: Callable, what: str, dynamo) -> None:
+    # Never let a registration's failure escape: it would run inside torch's own import.
+    try:
+        fn(dynamo)
+    except Exception as e:  # noqa: BLE001 - any failure is kept and reported at compile time
+        _problems.append(f"{what} failed ({type(e).__name__}: {e})")
+
+
+def when_dynamo_loads(fn: Callable, what: str = "") -> None:
     """Call ``fn(torch._dynamo)`` as soon as dynamo is imported (now, if it already is).
 
     For registrations that need torch.compile's own modules, e.g. a sharding rule for an
-    inductor prim that only exists once inductor is imported.
+    inductor prim that only exists once inductor is imported. If ``fn`` raises, the error is
+    kept (:func:`compile_problems`) and compiling a DTensor program reports it.
 
     Example:
-        >>> when_dynamo_loads(lambda dynamo: print("compile is here"))  # doctest: +SKIP
+        >>> when_dynamo_loads(lambda dynamo: print("compile is here"), "a greeting")  # doctest: +SKIP
     """
+    what = what or getattr(fn, "__qualname__", repr(fn))
     module = sys.modules.get(_DYNAMO)
     if module is not None and not _Finder.loading:
-        fn(module)
+        _run(fn, what, module)
         return
-    _pending.append(fn)
+    _pending.append((fn, what))
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+
+
+def _run_pending(module) -> None:
+    while _pending:
+        fn, what = _pending.pop(0)
+        _run(fn, what, module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -71,22 +126,24 @@ class _Finder(importlib.abc.MetaPathFinder):
         if fullname != _DYNAMO:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
+        try:
+            spec = importlib.util.find_spec(fullname)
+        except Exception:  # noqa: BLE001 - let the normal machinery find (or fail to find) it
+            return None
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_register(module):
             _Finder.loading = True
             try:
-                exec_module(module)
+                exec_module(module)  # torch's own import: its errors are its own
             finally:
                 _Finder.loading = False
-            while _pending:
-                _pending.pop(0)(module)
+            _run_pending(module)
 
         spec.loader.exec_module = exec_then_register
         return spec
 
 
-when_dynamo_loads(_register_mesh)
+when_dynamo_loads(_register_mesh, "registering DeviceMesh as an opaque value type")

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import compat
 from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
@@ -99,7 +100,7 @@ class ToLocal(torch.autograd.Function):
 
 
 # torch's count of the references to a tensor's storage (private; absent: never guess "sole owner").
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_storage_use_count = compat.storage_use_count
 
 
 class _RefProbe:
@@ -392,3 +393,5 @@ _dt.DTensor.full_tensor = full_tensor
 # torch.compile: dynamo cannot trace a wrapper subclass's construction, so it must put these
 # three functions in its graph whole (AOTAutograd then traces through them).
 compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute)
+compile_support.when_dynamo_loads(lambda dynamo: compat.dynamo_traces_redistribute_of(_dt.DTensor),
+                                  "letting dynamo trace DTensor.redistribute")

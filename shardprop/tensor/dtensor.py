@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from shardprop.tensor.compile_support import check_compile
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
@@ -94,6 +95,7 @@ class DTensor(torch.Tensor):
         which rank keeps a Partial value): compile caches keyed on the context must not hand
         one rank's graph to another.
         """
+        check_compile()  # only compile flattens a DTensor: say so if compile cannot work here
         spec = self._spec
         return ["_local_tensor"], (spec.mesh, spec.placements, self.requires_grad, spec.mesh._coord)
 

@@ -1,0 +1,181 @@
+"""Everything that differs between the torch releases shardprop supports, probed once at import.
+
+shardprop supports torch 2.11 through 2.15 (``SUPPORTED``). What changes between those releases
+lives here and nowhere else; every other module imports the names it needs from this one:
+
+- op names that come and go (2.15 removed ``aten.cholesky``, for instance): :func:`aten_ops`
+  builds op tables from what the running torch has;
+- the single-buffer collectives (``all_gather_single`` in 2.13+, ``all_gather_into_tensor``
+  before), ``dist.split_group``, torch's private storage use count;
+- the opaque-type API that lets a mesh be a value in a compiled graph: 2.11 wants the class to
+  use torch's ``OpaqueBaseMeta``; 2.14 renamed ``register_opaque_type(typ="value")`` to
+  ``register_custom_class(typ="constant")`` and warns on the old name.
+
+Feature probes (``getattr`` on the module that may have a name) rather than version strings,
+except for the declared range itself.
+
+Example:
+    >>> from shardprop.mesh import compat
+    >>> compat.torch_release() >= (2, 11)
+    True
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+# ------------------------------------------------------------------ the declared range
+SUPPORTED: Tuple[Tuple[int, int], Tuple[int, int]] = ((2, 11), (2, 15))
+# Set to 1 to import on a torch outside SUPPORTED anyway (a warning instead of an error).
+ALLOW_ANY_TORCH_ENV = "SHARDPROP_ALLOW_ANY_TORCH"
+
+
+def torch_release(version: Optional[str] = None) -> Tuple[int, int]:
+    """(major, minor) of a torch version string, by default the running torch's.
+
+    Example:
+        >>> torch_release("2.15.0+cu130")
+        (2, 15)
+    """
+    text = torch.__version__ if version is None else version
+    m = re.match(r"(\d+)\.(\d+)", str(text))
+    if m is None:
+        raise ImportError(f"shardprop: cannot read torch's version {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def range_text() -> str:
+    """The supported range as people write it, e.g. ``torch 2.11 to 2.15``."""
+    (a, b), (c, d) = SUPPORTED
+    return f"torch {a}.{b} to {c}.{d}"
+
+
+def check_torch_release(version: Optional[str] = None) -> None:
+    """Raise ImportError at once when the running torch is outside the range shardprop is tested on.
+
+    ``SHARDPROP_ALLOW_ANY_TORCH=1`` turns the error into a warning (at your own risk).
+
+    Example:
+        >>> check_torch_release("2.13.0")
+        >>> check_torch_release("2.4.1")  # doctest: +SKIP
+        ImportError: shardprop supports torch 2.11 to 2.15; this is torch 2.4.1 ...
+    """
+    text = torch.__version__ if version is None else version
+    release = torch_release(text)
+    if SUPPORTED[0] <= release <= SUPPORTED[1]:
+        return
+    message = (f"shardprop supports {range_text()}; this is torch {text}. Install a torch in that range "
+               f"(e.g. pip install 'torch>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},"
+               f"<{SUPPORTED[1][0]}.{SUPPORTED[1][1] + 1}'), or set {ALLOW_ANY_TORCH_ENV}=1 to try anyway.")
+    if os.environ.get(ALLOW_ANY_TORCH_ENV) == "1":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    raise ImportError(message)
+
+
+check_torch_release()
+
+# ------------------------------------------------------------------ op tables
+_aten = torch.ops.aten
+
+
+def aten_ops(names: Iterable[str], overloads: Optional[Sequence[str]] = None) -> List:
+    """The OpOverloads of the named aten ops that this torch has; absent names are skipped.
+
+    ``overloads=None`` takes every overload of each op; otherwise only the named ones that exist.
+
+    Example:
+        >>> aten_ops(["relu", "no_such_op"], ["default"])
+        [<OpOverload(op='aten.relu', overload='default')>]
+    """
+    out = []
+    for name in names:
+        packet = getattr(_aten, name, None)
+        if packet is None:
+            continue
+        available = packet.overloads()
+        wanted = available if overloads is None else [o for o in overloads if o in available]
+        out += [getattr(packet, o) for o in wanted]
+    return out
+
+
+def aten_packets(names: Iterable[str]) -> List:
+    """The aten op packets of ``names`` that this torch has, in order.
+
+    Example:
+        >>> [p.__name__ for p in aten_packets(["mm", "no_such_op"])]
+        ['aten::mm']
+    """
+    return [p for p in (getattr(_aten, n, None) for n in names) if p is not None]
+
+
+# ------------------------------------------------------------------ collectives and private helpers
+# 2.13 names the single-buffer collectives *_single and warns on the old names; 2.11/2.12 have only the old.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# One call that splits many sub-groups off the default communicator (NCCL); None where absent.
+split_group = getattr(dist, "split_group", None)
+# torch's count of the references to a storage (private; None where absent: never guess "sole owner").
+storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+# ------------------------------------------------------------------ compile: a mesh as an opaque value
+# The base class of compile's opaque types: its metaclass lets a FakeScriptObject pass isinstance
+# checks. 2.11 insists on it for value types; 2.14 renamed it (and warns on the old module).
+try:
+    from torch._custom_class_base import CustomClassBase as OpaqueValueBase
+except ImportError:
+    try:
+        from torch._opaque_base import OpaqueBase as OpaqueValueBase
+    except ImportError:  # pragma: no cover - outside the supported range
+        OpaqueValueBase = object
+
+
+def register_opaque_value(cls: type) -> None:
+    """Let instances of ``cls`` be constants in compiled graphs, guarded by ``==``, named by ``__fx_repr__``.
+
+    Raises whatever this torch raises when it cannot (callers decide how loud to be).
+
+    Example:
+        >>> register_opaque_value(DeviceMesh)  # doctest: +SKIP
+    """
+    from torch._library import opaque_object
+
+    if opaque_object.is_opaque_type(cls):
+        return
+    register_custom_class = getattr(opaque_object, "register_custom_class", None)
+    if register_custom_class is not None:  # 2.14+: "value" is now "constant"
+        register_custom_class(cls, typ="constant")
+    else:
+        opaque_object.register_opaque_type(cls, typ="value")
+
+
+def dynamo_traces_redistribute_of(cls: type) -> None:
+    """Let dynamo trace ``x.redistribute(...)`` of ``cls`` instances as ordinary Python.
+
+    torch 2.11's dynamo rewrites every tensor's ``.redistribute(...)`` into one call whose arguments
+    must be Python constants, written for torch's own DTensor; shardprop's placements are frozen
+    dataclasses, which that dynamo cannot make constants (``can't reconstruct arbitrary frozen
+    dataclass instances``). For ``cls`` alone this steps aside, so dynamo treats the call like any
+    tensor method, as 2.12+ does; other tensors keep torch's handling. No-op where absent (2.12+).
+
+    Example:
+        >>> dynamo_traces_redistribute_of(DTensor)  # doctest: +SKIP
+    """
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = TensorVariable.__dict__.get("method_redistribute")
+    if original is None or getattr(original, "steps_aside_for", None) is not None:
+        return
+
+    def method_redistribute(self, tx, *args, **kwargs):
+        if issubclass(self.python_type(), cls):
+            return None  # falls through to dynamo's generic tensor-method path
+        return original(self, tx, *args, **kwargs)
+
+    method_redistribute.steps_aside_for = cls
+    TensorVariable.method_redistribute = method_redistribute
