@@ -46,6 +46,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import compat
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import launch  # noqa: E402
 
@@ -56,9 +58,9 @@ GEOMEAN_TARGET = 1.15  # geomean of ours/raw over all rows and sizes
 SIZES_MB = (1.0, 16.0, 64.0)
 CONTENDERS = ("ours", "ref", "raw", "alloc", "direct")
 
-# torch 2.13 names the single-buffer collectives *_single; older torch has only the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The single-buffer collectives under this torch's names (shardprop.mesh.compat resolves them).
+_all_gather_flat = compat.all_gather_flat
+_reduce_scatter_flat = compat.reduce_scatter_flat
 
 
 @dataclass(frozen=True)

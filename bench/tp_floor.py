@@ -33,11 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardprop.mesh import compat
+
 __all__ = ["megatron_floor", "megatron_sp_floor"]
 
-# torch 2.13 names the single-buffer collectives *_single (and warns on the old names).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The single-buffer collectives under this torch's names (shardprop.mesh.compat resolves them).
+_all_gather_flat = compat.all_gather_flat
+_reduce_scatter_flat = compat.reduce_scatter_flat
 
 
 class _GlooComm:

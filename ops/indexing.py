@@ -130,8 +130,10 @@ SCATTER = _packets("scatter", "scatter_", "scatter_add", "scatter_add_", "scatte
 def scatter(ctx):
     x, index = ctx.args[0], _arg(ctx, "index")
     src = _arg(ctx, "src")
+    if not _is_spec(x) or not _is_spec(index):  # a plain 0-dim self (max's backward on 2.11 makes one)
+        return [_replicate(ctx)]
     dim = _dim(ctx, x.ndim)
-    if dim is None or not _is_spec(index):
+    if dim is None:
         return [_replicate(ctx)]
     spans = [s for s in (x, index, src) if _is_spec(s)]
     opts = []
