@@ -21,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import warnings
@@ -84,18 +85,34 @@ check_torch_release()
 _aten = torch.ops.aten
 
 
-def aten_ops(names: Iterable[str], overloads: Optional[Sequence[str]] = None) -> List:
-    """The OpOverloads of the named aten ops that this torch has; absent names are skipped.
+# Libraries torch defines in Python modules it imports only on first use (absent modules: no ops).
+_LIBRARY_MODULES = {"torch_nn": "torch.nn.modules.linear_cross_entropy"}  # 2.15: linear_cross_entropy
+
+
+def _library(namespace: str):
+    module = _LIBRARY_MODULES.get(namespace)
+    if module is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+    return getattr(torch.ops, namespace)
+
+
+def aten_ops(names: Iterable[str], overloads: Optional[Sequence[str]] = None, namespace: str = "aten") -> List:
+    """The OpOverloads of the named ops that this torch has; absent names are skipped.
 
     ``overloads=None`` takes every overload of each op; otherwise only the named ones that exist.
+    ``namespace`` reaches other libraries torch ships (2.15's ``torch_nn``, say).
 
     Example:
         >>> aten_ops(["relu", "no_such_op"], ["default"])
         [<OpOverload(op='aten.relu', overload='default')>]
     """
+    library = _aten if namespace == "aten" else _library(namespace)
     out = []
     for name in names:
-        packet = getattr(_aten, name, None)
+        packet = getattr(library, name, None)
         if packet is None:
             continue
         available = packet.overloads()
@@ -145,12 +162,11 @@ def register_opaque_value(cls: type) -> None:
     """
     from torch._library import opaque_object
 
-    if opaque_object.is_opaque_type(cls):
-        return
     register_custom_class = getattr(opaque_object, "register_custom_class", None)
-    if register_custom_class is not None:  # 2.14+: "value" is now "constant"
-        register_custom_class(cls, typ="constant")
-    else:
+    if register_custom_class is not None:  # 2.14+: "value" is now "constant" (the old names warn)
+        if not opaque_object.is_custom_class(cls):
+            register_custom_class(cls, typ="constant")
+    elif not opaque_object.is_opaque_type(cls):
         opaque_object.register_opaque_type(cls, typ="value")
 
 

@@ -51,7 +51,7 @@ REPLICATED = [
       "cholesky_inverse", "cholesky_solve", "linalg_cholesky_ex", "linalg_lu", "linalg_lu_factor_ex",
       "linalg_lu_solve", "lu_unpack", "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_det", "_linalg_slogdet",
       "linalg_householder_product", "triangular_solve", "linalg_solve_triangular", "linalg_matrix_exp", "ormqr",
-      "linalg_cross", "_linalg_eigvals"], None),
+      "linalg_cross", "_linalg_eigvals", "linalg_polar", "linalg_matrix_sqrth"], None),
     # raises on every rank alike when the (replicated) LAPACK info says so; returns nothing
     (["_linalg_check_errors"], None),
     (["linalg_pinv"], ("atol_rtol_tensor", "atol_rtol_float", "default", "rcond_tensor")),
@@ -83,8 +83,16 @@ RUN_WHOLE = [
 STRIDED = [aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default]
 
 
-def _ops(groups) -> list:
-    return [op for names, overloads in groups for op in aten_ops(names, overloads)]
+# Ops of other libraries torch ships, by namespace: (packet names, overloads or None) per group.
+REPLICATED_ELSEWHERE = {
+    # 2.15's nn.functional.linear_cross_entropy: matmul and loss fused, chunked over the batch
+    "torch_nn": [(["_linear_cross_entropy_batch_chunked", "_linear_cross_entropy_batch_chunked_no_reduction"],
+                  None)],
+}
+
+
+def _ops(groups, namespace="aten") -> list:
+    return [op for names, overloads in groups for op in aten_ops(names, overloads, namespace)]
 
 
 def replicate_option(ctx) -> tuple:
@@ -92,7 +100,7 @@ def replicate_option(ctx) -> tuple:
     return ((R,) * len(ctx.specs), tuple(None if m is None else R for m in ctx.out_metas))
 
 
-@rule(*_ops(REPLICATED))
+@rule(*_ops(REPLICATED), *(op for ns, groups in REPLICATED_ELSEWHERE.items() for op in _ops(groups, ns)))
 def replicated(ctx):
     return [replicate_option(ctx)]
 

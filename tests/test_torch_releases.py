@@ -153,3 +153,31 @@ def test_registration_run_at_once_when_dynamo_is_loaded_is_caught_too():
     finally:
         compile_support._problems[:] = before
     compile_support.check_compile()
+
+
+# op_db entries that some releases of the range have and others lack (2.15 adds the first five and
+# drops cholesky and qr); each must pass where this torch has it.
+RELEASE_OPS = {
+    "linalg.polar": ("1d", "2d", "backward"),
+    "linalg.matrix_sqrth": ("1d", "2d", "backward"),
+    "nn.functional.linear_cross_entropy": ("1d", "2d", "uneven", "backward"),
+    "nn.functional.linear_cross_entropy.chunked": ("1d", "2d", "backward"),
+    "nn.functional.linear_cross_entropy.chunked_none": ("1d", "2d"),  # its backward makes plain tensors
+    "cholesky": ("1d", "2d", "backward"),
+    "qr": ("1d", "2d", "backward"),
+}
+
+
+def test_ops_that_come_and_go_with_releases_pass_where_present():
+    from tests.opinfo_harness import PASS, SKIP, list_op_keys, run_checks
+    from tests.rankpool import get_pool
+
+    present = [k for k in RELEASE_OPS if k in set(list_op_keys())]
+    assert present, "none of RELEASE_OPS on this torch: update the table"
+    failures = []
+    for variant in ("1d", "2d", "uneven", "backward"):
+        ops = [k for k in present if variant in RELEASE_OPS[k]]
+        for op, res in run_checks(get_pool(4), ops, variant, max_samples=3, max_combos=6).items():
+            if res["outcome"] not in (PASS, SKIP):
+                failures.append(f"{op} [{variant}]: {res['outcome']}: {res['detail']}")
+    assert not failures, "\n".join(failures)
