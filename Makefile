@@ -33,7 +33,7 @@ test: $(STAMP)
 test-release: $(STAMP)
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	$(PY) -m shardprop.demo --steps 5
-	$(PY) -m shardprop.demo --steps 3 --compile aot_eager
+	$(PY) -m shardprop.demo --steps 3 --compile
 	$(PYTEST) tests
 
 bench: $(STAMP)
