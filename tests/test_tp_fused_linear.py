@@ -336,3 +336,33 @@ def _param_grad_handover():
 
 def test_param_gradient_handover():
     assert run_on_ranks(2, _param_grad_handover) == [True, True]
+
+
+def _autocast_mlp():
+    """Colwise -> Rowwise MLP with biases under CPU autocast (bf16): dtype, output and gradients
+    as one process under the same autocast (F.linear casts weight, input and bias alike)."""
+    torch.manual_seed(0)
+    ref = MLP(bias=True)
+    model = parallelize_module(copy.deepcopy(ref), init_device_mesh("cpu", (2,)),
+                               {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(4, 8)
+    errors = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+        got = _full(model(x))
+    if got.dtype != want.dtype:
+        errors.append(f"dtype {got.dtype}, one process gives {want.dtype}")
+    else:
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    want.float().sum().backward()
+    got.float().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if _full(p.grad).dtype != q.grad.dtype:
+            errors.append(f"grad {name}: {_full(p.grad).dtype} vs {q.grad.dtype}")
+        else:
+            torch.testing.assert_close(_full(p.grad), q.grad, atol=5e-2, rtol=5e-2)
+    return errors
+
+
+def test_autocast_bf16_output_dtype_matches_one_process():
+    assert run_on_ranks(2, _autocast_mlp) == [[], []]

@@ -270,7 +270,10 @@ class FusedLinear:
                 y = _relayout(y, spec, out, _grad_placements(out), _grad_placements(have))
         if b is not None:  # added once, after the reduction (bias is replicated)
             grad_spec = b._spec if out == _R else b._spec.with_placements(_P)  # a sequence piece's sum is partial
-            y = y + _param_local(b, grad_spec)
+            bl = _param_local(b, grad_spec)
+            if bl.dtype != y.dtype and torch.is_autocast_enabled(y.device.type):
+                bl = bl.to(y.dtype)  # F.linear under autocast casts its bias too: same dtype as the DTensor path
+            y = y + bl
         if self.use_local:
             return y
         return DTensor.from_local(y, mesh, out, shape=spec.shape)
