@@ -335,3 +335,12 @@ def test_in_place_write_into_a_copied_view_raises():
     assert through, "a write through a real view must reach the base"
     assert err is not None and "copy, not a view" in err and "aten.select.int" in err, err
     assert accumulated
+
+
+def test_plain_tensors_taken_as_replicated_are_the_ones_backward_formulas_build():
+    from shardprop.dispatch.dispatcher import same_on_every_rank
+    assert same_on_every_rank(torch.tensor([1, 2]))                 # indices torch builds from lists
+    assert same_on_every_rank(torch.zeros(3, 2))                    # at::zeros in backward formulas
+    assert same_on_every_rank(torch.ones(1).expand(5, 1, 5))        # at::ones (2.11's cumprod backward)
+    assert not same_on_every_rank(torch.full((2,), 2.0))            # data: may differ between ranks
+    assert not same_on_every_rank(torch.tensor([0.0, 1.0]))

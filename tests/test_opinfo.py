@@ -11,7 +11,6 @@ import os
 import random
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tests.opinfo_harness import (ENGINES, ERROR, PASS, SKIP, VARIANTS, WRONG, Engine, check_opinfo,
@@ -73,46 +72,6 @@ def _describe(res):
             f"({res['sharded_combos']} sharded) on {res['samples']} samples: {res['detail']}{where}")
 
 
-def _backward_builds_plain_tensors(fn) -> bool:
-    """Whether this torch's backward formula for ``fn``, given a tensor subclass, makes a tensor with
-    ``aten.ones`` and a size: a plain tensor mixed into DTensor ops, which no DTensor engine can
-    place. torch 2.11's cumprod backward does (``ones({1}).expand(...)``); later releases do not."""
-    import sys
-
-    from torch.testing._internal.two_tensor import TwoTensor  # formulas take other paths for subclasses
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    handler = TwoTensor.__dict__["__torch_dispatch__"].__func__.__code__
-
-    def in_formula(frame) -> bool:  # not inside TwoTensor's own handler (it runs plain formulas)
-        while frame is not None:
-            if frame.f_code is handler:
-                return False
-            frame = frame.f_back
-        return True
-
-    class Factories(TorchDispatchMode):
-        seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if (func is torch.ops.aten.ones.default and len(args[0]) > 0
-                    and in_formula(sys._getframe(1))):
-                self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    a = torch.rand(3, 4, 3) + 0.5
-    x = TwoTensor(a, a.clone()).requires_grad_()
-    y = fn(x)
-    with Factories() as mode:
-        y.sum().backward()
-    return bool(mode.seen)
-
-
-# (op, variant) -> probe: where the probe says this torch makes the op impossible for any DTensor
-# engine, the op must fail with a clear error (and must pass again on a torch where it does not).
-RELEASE_GAPS = {("cumprod", "backward"): lambda: _backward_builds_plain_tensors(lambda t: torch.cumprod(t, 1))}
-
-
 @pytest.mark.parametrize("variant", ALL)
 @pytest.mark.parametrize("op", list(OPS))
 def test_op_matches_torch(op, variant):
@@ -121,10 +80,6 @@ def test_op_matches_torch(op, variant):
     res = results_for(variant)[op]
     if res["outcome"] == SKIP:
         pytest.skip(_describe(res))
-    gap = RELEASE_GAPS.get((op, variant))
-    if gap is not None and gap():
-        assert res["outcome"] == ERROR and "plain torch.Tensor" in res["detail"], _describe(res)
-        return
     assert res["outcome"] == PASS, _describe(res)
 
 
