@@ -67,3 +67,41 @@ def test_foreach_where_left_to_default():
             loop_calls, foreach, _ = out[(name, mode)]
             assert loop_calls >= 2 * n, (name, mode, loop_calls)
             assert foreach is (False if mode == "explicit False" else None)
+
+
+def _two_meshes():
+    """Parameters on a (dp, tp) mesh and on its dp sub-mesh (fully_shard beside TP) in one optimizer
+    and one clip_grad_norm_: each list op runs once per mesh; values as on plain tensors."""
+    import shardprop
+    from shardprop import Shard, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 6), (6,), (8, 4), (5,)]
+    meshes = [(mesh, [Shard(0), Shard(1)]), (mesh["dp"], [Shard(0)]), (mesh, [Shard(1), Shard(0)]),
+              (mesh["dp"], [Shard(0)])]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+    errors = []
+    for foreach in (None, True, False):
+        ours = [torch.nn.Parameter(distribute_tensor(t, m, p)) for t, (m, p) in zip(init, meshes)]
+        ref = [torch.nn.Parameter(t.clone()) for t in init]
+        opt, ropt = torch.optim.AdamW(ours, foreach=foreach), torch.optim.AdamW(ref, foreach=foreach)
+        for step in grads:
+            for p, r, gr in zip(ours, ref, step):
+                p.grad = distribute_tensor(gr, p.device_mesh, p.placements)
+                r.grad = gr.clone()
+            norm = torch.nn.utils.clip_grad_norm_(ours, 1.0, foreach=foreach)
+            rnorm = torch.nn.utils.clip_grad_norm_(ref, 1.0, foreach=foreach)
+            norm = norm.full_tensor() if isinstance(norm, shardprop.DTensor) else norm
+            if not torch.allclose(norm, rnorm, atol=1e-5):
+                errors.append(f"foreach={foreach}: grad norm {norm} vs {rnorm}")
+            opt.step()
+            ropt.step()
+        for i, (p, r) in enumerate(zip(ours, ref)):
+            if not torch.allclose(p.full_tensor(), r, atol=1e-5):
+                errors.append(f"foreach={foreach}: param {i} differs after two steps")
+    return errors
+
+
+def test_list_ops_over_parameters_of_two_meshes_run_per_mesh():
+    assert run_on_ranks(4, _two_meshes) == [[]] * 4

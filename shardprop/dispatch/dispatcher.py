@@ -231,6 +231,14 @@ def run(op, args, kwargs=None, compute=None, rec=None):
                 memo[key] = out
     except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
         out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec[1]))
+    except _prop.MeshMismatchError:
+        if op in POSITIONWISE:  # a list op over parameters of several meshes: one call per mesh
+            split = _split_mesh_positions(op, args, kwargs, compute, rec)
+            if split is not _NOT_SPLIT:
+                return split
+        if _all_scalars((args, kwargs)):
+            return _run_on_values(op, args, kwargs)
+        raise
     if out.needs_redistribute:
         schema = schema or OpSchema(op, key[0], kkey, rec[1])
         largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
@@ -335,26 +343,103 @@ def _split_plain_positions(op, args, kwargs, compute, rec):
     Example:
         >>> torch._foreach_mul_([dtensor_w, plain_w], 0.5)  # doctest: +SKIP
     """
-    lists = [j for j, a in enumerate(args) if type(a) in (list, tuple)]
-    if not lists or any(isinstance(a, DTensor) for j, a in enumerate(args) if j not in lists):
+    full, n = _position_lists(args)
+    if full is None:
         return _NOT_SPLIT
-    n = len(args[lists[0]])
-    full = [j for j in lists if len(args[j]) == n]
     dt = [i for i in range(n) if any(isinstance(args[j][i], DTensor) for j in full)]
     if not dt or len(dt) == n:
         return _NOT_SPLIT
     dt_set = set(dt)
     plain = [i for i in range(n) if i not in dt_set]
+    plain_op = getattr(op, "_op", op)
+    return _run_position_groups(args, full, n, [
+        (plain, lambda a: plain_op(*a, **(kwargs or {}))),
+        (dt, lambda a: run(op, a, kwargs, compute, rec))])
 
+
+def _split_mesh_positions(op, args, kwargs, compute, rec):
+    """Run a POSITIONWISE op whose lists hold DTensors of several meshes as one call per mesh.
+
+    ``fully_shard`` over dp beside TP on a (dp, tp) mesh leaves parameters on two meshes, and an
+    optimizer (foreach) or ``clip_grad_norm_`` puts them all in one list op. Positions keep their
+    order in the merged result. Returns _NOT_SPLIT when one position mixes meshes, or a DTensor
+    outside the lists would have to live on every mesh.
+
+    Example:
+        >>> torch._foreach_mul_([w_on_dp_tp_mesh, norm_on_dp_mesh], 0.9)  # doctest: +SKIP
+    """
+    full, n = _position_lists(args)
+    if full is None:
+        return _NOT_SPLIT
+    groups = {}
+    for i in range(n):
+        meshes = {args[j][i]._spec.mesh for j in full if isinstance(args[j][i], DTensor)}
+        if len(meshes) > 1:
+            return _NOT_SPLIT
+        groups.setdefault(meshes.pop() if meshes else None, []).append(i)
+    if len(groups) < 2:
+        return _NOT_SPLIT
+    plain_op = getattr(op, "_op", op)
+    return _run_position_groups(args, full, n, [
+        (idx, (lambda a: run(op, a, kwargs, compute, rec)) if mesh is not None
+         else (lambda a: plain_op(*a, **(kwargs or {}))))
+        for mesh, idx in groups.items()])
+
+
+def _all_scalars(a) -> bool:
+    """Whether every DTensor in ``a`` (nested lists, tuples, dicts) is 0-dim."""
+    if isinstance(a, DTensor):
+        return a.ndim == 0
+    if type(a) in (list, tuple):
+        return all(_all_scalars(x) for x in a)
+    if type(a) is dict:
+        return all(_all_scalars(x) for x in a.values())
+    return True
+
+
+def _run_on_values(op, args, kwargs):
+    """Run ``op`` on the values of 0-dim DTensors of several meshes; plain results.
+
+    Per-mesh norms joined into one (``clip_grad_norm_`` stacks the norm of each parameter group):
+    each scalar is reduced on its own mesh (every rank then holds the value), and the result, owned by
+    no single mesh, is a plain tensor, the same on every rank; it joins later DTensor ops as a scalar.
+
+    Example:
+        >>> torch.stack([norm_on_mesh_a, norm_on_mesh_b])  # doctest: +SKIP
+        tensor([...])
+    """
+    def value(a):
+        if isinstance(a, DTensor):
+            return a.full_tensor()
+        if type(a) in (list, tuple):
+            return type(a)(value(x) for x in a)
+        if type(a) is dict:
+            return {k: value(v) for k, v in a.items()}
+        return a
+
+    return getattr(op, "_op", op)(*value(args), **value(kwargs or {}))
+
+
+def _position_lists(args):
+    """(indices of the list arguments of full length, that length), or (None, 0) when the call
+    has no list or holds a DTensor outside its lists (it would have to join every piece)."""
+    lists = [j for j, a in enumerate(args) if type(a) in (list, tuple)]
+    if not lists or any(isinstance(a, DTensor) for j, a in enumerate(args) if j not in lists):
+        return None, 0
+    n = len(args[lists[0]])
+    return [j for j in lists if len(args[j]) == n], n
+
+
+def _run_position_groups(args, full, n, groups):
+    """Call each ``call(args restricted to positions idx)`` of ``groups`` and merge by position."""
     def pick(idx):
         return tuple([args[j][i] for i in idx] if j in full else a for j, a in enumerate(args))
 
-    res_plain = getattr(op, "_op", op)(*pick(plain), **(kwargs or {}))
-    res_dt = run(op, pick(dt), kwargs, compute, rec)
-    if res_plain is None:
+    results = [(idx, call(pick(idx))) for idx, call in groups]
+    if results[0][1] is None:  # in place: nothing to merge
         return None
     merged = [None] * n
-    for idx, part in ((plain, res_plain), (dt, res_dt)):
+    for idx, part in results:
         for i, r in zip(idx, part):
             merged[i] = r
     return merged

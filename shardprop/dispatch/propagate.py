@@ -51,6 +51,10 @@ class ShardingError(RuntimeError):
     """An op cannot run with the given placements (no rule, or no acceptable option)."""
 
 
+class MeshMismatchError(ShardingError):
+    """An op's DTensor inputs live on different meshes (list ops split such calls per mesh)."""
+
+
 class PropContext:
     """What a rule sees: the op, its arguments (specs for DTensors), and output meta.
 
@@ -309,7 +313,7 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True) -> OutputShardin
     mesh = ctx.mesh
     for s in ctx.specs:
         if s.mesh != mesh:
-            raise ShardingError(f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
+            raise MeshMismatchError(f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
                                 "redistribute them onto one mesh first")
     rule = registry.lookup(op)
     if rule is None:
