@@ -341,6 +341,21 @@ def test_plain_tensors_taken_as_replicated_are_the_ones_backward_formulas_build(
     from shardprop.dispatch.dispatcher import same_on_every_rank
     assert same_on_every_rank(torch.tensor([1, 2]))                 # indices torch builds from lists
     assert same_on_every_rank(torch.zeros(3, 2))                    # at::zeros in backward formulas
-    assert same_on_every_rank(torch.ones(1).expand(5, 1, 5))        # at::ones (2.11's cumprod backward)
+    assert not same_on_every_rank(torch.ones(3))                    # data, outside a backward pass
     assert not same_on_every_rank(torch.full((2,), 2.0))            # data: may differ between ranks
     assert not same_on_every_rank(torch.tensor([0.0, 1.0]))
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(same_on_every_rank(torch.ones(1).expand(5, 1, 5)))  # at::ones (2.11's cumprod)
+            seen.append(same_on_every_rank(torch.full((2,), 2.0)))
+            return grad
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [True, False]

@@ -450,9 +450,9 @@ def _replicate_plain_indices(args, kwargs):
 
     torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
     ``aten.index(x, [tensor([1, 2])])``), so they hold the same values on every rank.
-    All-zero and all-one floating tensors are the same on every rank too: torch's backward
-    formulas build them (``at::zeros``; ``at::ones`` in 2.11's cumprod backward) and mix them
-    with the gradients. Other floating plain
+    All-zero floating tensors are the same on every rank too: torch's backward formulas
+    build them (``at::zeros``) and mix them with the gradients; during a backward pass so are
+    all-one ones (``at::ones``: torch 2.11's cumprod backward). Other floating plain
     tensors are usually data (a rank-local shard, a random tensor), so they still raise:
     guessing them replicated could silently give a wrong result.
 
@@ -487,7 +487,9 @@ def same_on_every_rank(t) -> bool:
         >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
         (True, False)
     """
-    return not (t.is_floating_point() or t.is_complex()) or not bool(t.any()) or bool((t == 1).all())
+    if not (t.is_floating_point() or t.is_complex()) or not bool(t.any()):
+        return True
+    return torch._C._current_graph_task_id() != -1 and bool((t == 1).all())  # in a backward formula
 
 
 def _first_mesh(a):
