@@ -50,6 +50,11 @@ def torch_release(version: Optional[str] = None) -> Tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def running_torch() -> str:
+    """The running torch's version string, as messages name it (e.g. ``2.15.0+cu132``)."""
+    return torch.__version__
+
+
 def range_text() -> str:
     """The supported range as people write it, e.g. ``torch 2.11 to 2.15``."""
     (a, b), (c, d) = SUPPORTED
@@ -66,7 +71,7 @@ def check_torch_release(version: Optional[str] = None) -> None:
         >>> check_torch_release("2.4.1")  # doctest: +SKIP
         ImportError: shardprop supports torch 2.11 to 2.15; this is torch 2.4.1 ...
     """
-    text = torch.__version__ if version is None else version
+    text = running_torch() if version is None else version
     release = torch_release(text)
     if SUPPORTED[0] <= release <= SUPPORTED[1]:
         return

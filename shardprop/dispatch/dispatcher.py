@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only  # off the hot path: cross-mesh calls only
 
 from shardprop.dispatch import propagate as _prop
 from shardprop.dispatch.method_calls import local_callable
@@ -35,7 +36,8 @@ SPECIAL = {}
 _OPS = {}
 
 # Ops over lists whose position i depends only on position i of each list (_foreach_*, the fused
-# optimizers): lists mixing plain tensors and DTensors run as two calls (see _split_plain_positions).
+# optimizers): lists mixing plain tensors and DTensors, or DTensors of several meshes, run as one
+# call per group (see _split_positions).
 # Filled by the rooms that own their rules; consulted only when a plain tensor was found.
 POSITIONWISE = set()
 _NOT_SPLIT = _marker("<not split>")
@@ -209,7 +211,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             kkey = ()
     except PlainTensorError:
         if op in POSITIONWISE:
-            split = _split_plain_positions(op, args, kwargs, compute, rec)
+            split = _split_positions(op, args, kwargs, compute, rec)
             if split is not _NOT_SPLIT:
                 return split
         args, kwargs = _replicate_plain_indices(args, kwargs)  # raises again for non-zero floating ones
@@ -233,7 +235,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec[1]))
     except _prop.MeshMismatchError:
         if op in POSITIONWISE:  # a list op over parameters of several meshes: one call per mesh
-            split = _split_mesh_positions(op, args, kwargs, compute, rec)
+            split = _split_positions(op, args, kwargs, compute, rec)
             if split is not _NOT_SPLIT:
                 return split
         if _all_scalars((args, kwargs)):
@@ -331,47 +333,27 @@ def _write_into_copy_error(op, target) -> Exception:
         ".clone() the view if the base need not change.")
 
 
-def _split_plain_positions(op, args, kwargs, compute, rec):
-    """Run a POSITIONWISE op whose lists mix plain tensors and DTensors as two calls.
+def _split_positions(op, args, kwargs, compute, rec):
+    """Run a POSITIONWISE op as one call per group of positions: plain, and each mesh's.
 
-    Positions where no list holds a DTensor run as plain torch; the others through the
-    rule-based path (their plain 0-d tensors, such as optimizer steps, are replicated as
-    always). An optimizer over a model whose norms stay plain tensors thus takes
-    ``foreach=True`` or ``fused=True``. Returns _NOT_SPLIT when every position holds a
-    DTensor (a plain tensor beside a DTensor at one position: the caller's error path).
-
-    Example:
-        >>> torch._foreach_mul_([dtensor_w, plain_w], 0.5)  # doctest: +SKIP
-    """
-    full, n = _position_lists(args)
-    if full is None:
-        return _NOT_SPLIT
-    dt = [i for i in range(n) if any(isinstance(args[j][i], DTensor) for j in full)]
-    if not dt or len(dt) == n:
-        return _NOT_SPLIT
-    dt_set = set(dt)
-    plain = [i for i in range(n) if i not in dt_set]
-    plain_op = getattr(op, "_op", op)
-    return _run_position_groups(args, full, n, [
-        (plain, lambda a: plain_op(*a, **(kwargs or {}))),
-        (dt, lambda a: run(op, a, kwargs, compute, rec))])
-
-
-def _split_mesh_positions(op, args, kwargs, compute, rec):
-    """Run a POSITIONWISE op whose lists hold DTensors of several meshes as one call per mesh.
-
-    ``fully_shard`` over dp beside TP on a (dp, tp) mesh leaves parameters on two meshes, and an
-    optimizer (foreach) or ``clip_grad_norm_`` puts them all in one list op. Positions keep their
-    order in the merged result. Returns _NOT_SPLIT when one position mixes meshes, or a DTensor
-    outside the lists would have to live on every mesh.
+    Positions where no list holds a DTensor run as plain torch, so an optimizer over a model whose
+    norms stay plain tensors takes ``foreach=True`` or ``fused=True``. Positions of each mesh run
+    through the rule-based path on their own (their plain 0-d tensors, such as optimizer steps, are
+    replicated as always): ``fully_shard`` over dp beside TP on a (dp, tp) mesh leaves parameters on
+    two meshes, and an optimizer or ``clip_grad_norm_`` puts them all in one list op. Results keep
+    their positions. Returns _NOT_SPLIT when there is one group only, when one position mixes
+    meshes, or when a DTensor outside the lists would have to join every group (the caller's error
+    path).
 
     Example:
-        >>> torch._foreach_mul_([w_on_dp_tp_mesh, norm_on_dp_mesh], 0.9)  # doctest: +SKIP
+        >>> torch._foreach_mul_([dtensor_w, plain_w, w_on_dp_mesh], 0.5)  # doctest: +SKIP
     """
-    full, n = _position_lists(args)
-    if full is None:
+    lists = [j for j, a in enumerate(args) if type(a) in (list, tuple)]
+    if not lists or any(isinstance(a, DTensor) for j, a in enumerate(args) if j not in lists):
         return _NOT_SPLIT
-    groups = {}
+    n = len(args[lists[0]])
+    full = [j for j in lists if len(args[j]) == n]
+    groups = {}  # mesh (None: plain) -> positions
     for i in range(n):
         meshes = {args[j][i]._spec.mesh for j in full if isinstance(args[j][i], DTensor)}
         if len(meshes) > 1:
@@ -379,22 +361,25 @@ def _split_mesh_positions(op, args, kwargs, compute, rec):
         groups.setdefault(meshes.pop() if meshes else None, []).append(i)
     if len(groups) < 2:
         return _NOT_SPLIT
+
+    def pick(idx):
+        return tuple([args[j][i] for i in idx] if j in full else a for j, a in enumerate(args))
+
     plain_op = getattr(op, "_op", op)
-    return _run_position_groups(args, full, n, [
-        (idx, (lambda a: run(op, a, kwargs, compute, rec)) if mesh is not None
-         else (lambda a: plain_op(*a, **(kwargs or {}))))
-        for mesh, idx in groups.items()])
+    results = [(idx, plain_op(*pick(idx), **(kwargs or {})) if mesh is None
+                else run(op, pick(idx), kwargs, compute, rec)) for mesh, idx in groups.items()]
+    if results[0][1] is None:  # in place: nothing to merge
+        return None
+    merged = [None] * n
+    for idx, part in results:
+        for i, r in zip(idx, part):
+            merged[i] = r
+    return merged
 
 
-def _all_scalars(a) -> bool:
-    """Whether every DTensor in ``a`` (nested lists, tuples, dicts) is 0-dim."""
-    if isinstance(a, DTensor):
-        return a.ndim == 0
-    if type(a) in (list, tuple):
-        return all(_all_scalars(x) for x in a)
-    if type(a) is dict:
-        return all(_all_scalars(x) for x in a.values())
-    return True
+def _all_scalars(tree) -> bool:
+    """Whether every DTensor in ``tree`` (nested lists, tuples, dicts) is 0-dim."""
+    return all(a.ndim == 0 for a in tree_leaves(tree) if isinstance(a, DTensor))
 
 
 def _run_on_values(op, args, kwargs):
@@ -408,41 +393,8 @@ def _run_on_values(op, args, kwargs):
         >>> torch.stack([norm_on_mesh_a, norm_on_mesh_b])  # doctest: +SKIP
         tensor([...])
     """
-    def value(a):
-        if isinstance(a, DTensor):
-            return a.full_tensor()
-        if type(a) in (list, tuple):
-            return type(a)(value(x) for x in a)
-        if type(a) is dict:
-            return {k: value(v) for k, v in a.items()}
-        return a
-
-    return getattr(op, "_op", op)(*value(args), **value(kwargs or {}))
-
-
-def _position_lists(args):
-    """(indices of the list arguments of full length, that length), or (None, 0) when the call
-    has no list or holds a DTensor outside its lists (it would have to join every piece)."""
-    lists = [j for j, a in enumerate(args) if type(a) in (list, tuple)]
-    if not lists or any(isinstance(a, DTensor) for j, a in enumerate(args) if j not in lists):
-        return None, 0
-    n = len(args[lists[0]])
-    return [j for j in lists if len(args[j]) == n], n
-
-
-def _run_position_groups(args, full, n, groups):
-    """Call each ``call(args restricted to positions idx)`` of ``groups`` and merge by position."""
-    def pick(idx):
-        return tuple([args[j][i] for i in idx] if j in full else a for j, a in enumerate(args))
-
-    results = [(idx, call(pick(idx))) for idx, call in groups]
-    if results[0][1] is None:  # in place: nothing to merge
-        return None
-    merged = [None] * n
-    for idx, part in results:
-        for i, r in zip(idx, part):
-            merged[i] = r
-    return merged
+    args, kwargs = tree_map_only(DTensor, lambda d: d.full_tensor(), (args, kwargs or {}))
+    return getattr(op, "_op", op)(*args, **kwargs)
 
 
 def _replicate_plain_indices(args, kwargs):

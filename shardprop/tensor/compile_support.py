@@ -29,8 +29,6 @@ import importlib.util
 import sys
 from typing import Callable, List, Tuple
 
-import torch
-
 from shardprop.mesh import compat
 
 _DYNAMO = "torch._dynamo"
@@ -61,7 +59,7 @@ def check_compile() -> None:
     """
     if _problems:
         raise CompileUnsupported(
-            f"torch.compile of DTensor programs does not work on torch {torch.__version__}: "
+            f"torch.compile of DTensor programs does not work on torch {compat.running_torch()}: "
             + "; ".join(_problems)
             + f". Eager DTensor code is unaffected; shardprop's compile support is tested on {compat.range_text()}.")
 
