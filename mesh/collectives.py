@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool, compat
+from shardprop.mesh import buffer_pool, compat, staging
 from shardprop.mesh import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
@@ -177,6 +177,33 @@ def _avg(n: int):
     return lambda t: t.div_(n)
 
 
+# ---------------------------------------------------------------- staging through host memory
+# Where the group's backend cannot read the tensor's memory (staging.TABLE: gloo has no CUDA
+# send/recv, for one), a call runs on host copies and its result is copied back. Staged calls
+# complete before they return; with ``async_op`` their AsyncTensor is already done.
+
+def _staged(call: str, t: torch.Tensor, group) -> bool:
+    """Whether ``call`` of ``t`` goes through host memory (one attribute test for CPU tensors)."""
+    if t.is_cpu and not staging._forced:
+        return False
+    if type(t) is not torch.Tensor and is_traced(t):
+        return False
+    return staging.decide(call, t, group) == staging.STAGE
+
+
+def _on_host(fn, t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``fn`` (a collective of this module) on a host copy of ``t``, never staged again."""
+    with staging.host_call():
+        return fn(staging.to_host(t), *args, **kwargs)
+
+
+def _done(out: torch.Tensor, async_op: bool, finish=None, shape=None):
+    """A staged call's result: finished now, or as an AsyncTensor that is already complete."""
+    if async_op:
+        return AsyncTensor(None, out, finish, shape)
+    return finish(out) if finish is not None else out
+
+
 def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False, finish=None,
                finish_shape=None) -> torch.Tensor:
     """Gather equal-sized pieces along dim 0 into one new contiguous tensor.
@@ -189,6 +216,8 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     t = wait_all(t).contiguous()
     if not t.ndim:  # a 0-d piece gathers into a 1-d tensor (the backends want matching ranks)
         t = t.reshape(1)
+    if (not t.is_cpu or staging._forced) and _staged("all_gather", t, group):
+        return _done(staging.to_device(_on_host(all_gather, t, mesh, dims), t), async_op, finish, finish_shape)
     if _counters:
         _count("all_gather", t)
     if type(t) is not torch.Tensor and is_traced(t):
@@ -216,6 +245,9 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
+    if (not t.is_cpu or staging._forced) and _staged("reduce_scatter", t, group):
+        out = staging.to_device(_on_host(reduce_scatter, t, mesh, dims, op), t)
+        return _done(out, async_op, finish, finish_shape)
     if _counters:
         _count("reduce_scatter", t)
     if type(t) is not torch.Tensor and is_traced(t):
@@ -243,6 +275,9 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t)
+    if (not t.is_cpu or staging._forced) and _staged("all_reduce", t, group):
+        host = _on_host(all_reduce, t, mesh, dims, op, inplace=True)
+        return _done(t.copy_(host) if inplace else staging.to_device(host, t), async_op)
     if type(t) is not torch.Tensor and is_traced(t):
         if _counters:
             _count("all_reduce", t)
@@ -308,6 +343,10 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
             work.wait()
         return _finish(out, work, async_op, finish, finish_shape)
     t = wait_all(t).contiguous()
+    if (not t.is_cpu or staging._forced) and _staged("all_to_all", t, group):
+        host = _on_host(all_to_all, t, mesh, dims, output_split_sizes, input_split_sizes)
+        out = out.copy_(host) if out is not None else staging.to_device(host, t)
+        return _done(out, async_op, finish, finish_shape)
     if _counters:
         _count("all_to_all", t)
     if out is None and type(t) is not torch.Tensor and is_traced(t):
@@ -341,7 +380,7 @@ def views_usable(t: torch.Tensor, mesh, dims: MeshDims) -> bool:
     n = 1
     for d in dims:
         n *= mesh.shape[d]
-    return direct.usable(t, n)
+    return direct.usable(t, n) and not staging.forced()  # forced staging: as a CUDA tensor would go
 
 
 def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: bool = False) -> torch.Tensor:
@@ -352,6 +391,8 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     """
     group, ranks, _ = resolve(mesh, dims)
     t = wait_all(t)
+    if (not t.is_cpu or staging._forced) and _staged("broadcast", t, group):
+        return _done(t.copy_(_on_host(broadcast, t, mesh, dims, src)), async_op)
     if _counters:
         _count("broadcast", t)
     if type(t) is not torch.Tensor and is_traced(t):  # functional: a new tensor, not in place
@@ -370,6 +411,11 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
     """
     group, ranks, _ = resolve(mesh, dims)
     me = dist.get_rank()
+    if (not out.is_cpu or staging._forced) and _staged("scatter", out, group):
+        with staging.host_call():
+            host = scatter([staging.to_host(c) for c in chunks] if me == ranks[src] else None,
+                           staging.host_empty(out), mesh, dims, src)
+        return _done(out.copy_(host), async_op)
     if _counters:
         _count("scatter", out)
     work = dist.scatter(out, [c.contiguous() for c in chunks] if me == ranks[src] else None,
@@ -415,6 +461,15 @@ def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torc
         >>> all_gather_into_views([a, b], [x1, x2], full, mesh, 0)  # 2 ranks  # doctest: +SKIP
     """
     group, _, _ = resolve(mesh, dims)
+    if inputs and (not inputs[0].is_cpu or staging._forced) and _staged("all_gather_views", inputs[0], group):
+        # Host outputs of their own (not views of one host buffer): each is copied into its view after.
+        houts = [staging.host_empty(o) for o in outputs]
+        with staging.host_call():
+            all_gather_into_views(houts, [staging.to_host(i) for i in inputs], houts[0] if houts else result,
+                                  mesh, dims)
+        for o, h in zip(outputs, houts):
+            o.copy_(h)
+        return _done(result, async_op)
     nbytes = sum(t.numel() * t.element_size() for t in inputs)
     return _coalesced("all_gather", list(zip(outputs, inputs)), group,
                       lambda o, i: _all_gather_flat(o, i, group=group), async_op, result, nbytes)
@@ -469,6 +524,9 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
         >>> out = torch.empty(4)  # doctest: +SKIP
         >>> send_recv([(mine, 1, 0)], [(out, 1, 0)], p2p_group(mesh), out)  # ranks 0 and 1 swap  # doctest: +SKIP
     """
+    probe = next((v for v, _, _ in list(sends) + list(recvs)), result)
+    if (not probe.is_cpu or staging._forced) and _staged("send_recv", probe, group):
+        return _send_recv_staged(sends, recvs, group, result, async_op, finish, finish_shape, keep)
     if _counters:
         for t, _, _ in sends:
             _count("send", t)
@@ -500,3 +558,16 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
                 view.copy_(buf)
             return then(res) if then is not None else res
     return _finish(result, work, async_op, finish, finish_shape)
+
+
+def _send_recv_staged(sends, recvs, group, result, async_op, finish, finish_shape, keep):
+    """:func:`send_recv` through host memory: sends copied out, receives landed in host buffers and copied in."""
+    hrecvs = [(staging.host_empty(v), p, tag) for v, p, tag in recvs]
+    with staging.host_call():
+        send_recv([(staging.to_host(v), p, tag) for v, p, tag in sends], hrecvs, group,
+                  staging.host_empty(result, (0,)))
+    for (view, _, _), (h, _, _) in zip(recvs, hrecvs):
+        view.copy_(h)
+    for src, dst in keep:
+        dst.copy_(src)
+    return _done(result, async_op, finish, finish_shape)

@@ -333,6 +333,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_na
     world = dist.get_world_size()
     if n != world:
         raise ValueError(f"init_device_mesh: mesh shape {mesh_shape} has {n} ranks but the world size is {world}")
-    if device_type == "cuda" and torch.cuda.is_available():
+    if device_type == "cuda":  # a clear error without a GPU; ranks beyond the GPUs share them (gloo)
+        _groups.check_nccl_devices(1, torch.cuda.device_count())
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     return DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), mesh_dim_names)

@@ -345,6 +345,10 @@ def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequen
         >>> w.wait()  # doctest: +SKIP
         True
     """
+    for view, _, _ in (*sends, *recvs):
+        if not view.is_cpu:  # gloo's send/recv would hand the pointer to a socket and die (EFAULT)
+            raise TypeError(f"shardprop: direct point-to-point messages carry host memory only, got a {view.device} "
+                            "tensor; collectives.py stages device tensors through host memory (mesh/staging.py)")
     shm = shm_transport.active()
     carried = _through_shm(shm, sends, recvs, group) if shm is not None else None
     shm_handles = []

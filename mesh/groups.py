@@ -49,18 +49,46 @@ def collective_timeout() -> datetime.timedelta:
 def backend_for(device_type: str) -> str:
     """The c10d backend we use for a device type: NCCL on CUDA, gloo otherwise.
 
+    A CUDA mesh in a world whose default group has no NCCL (``init_process_group("gloo")``, as
+    for several ranks sharing one GPU: NCCL refuses two ranks on one device) gets gloo groups;
+    collectives then stage what gloo cannot carry on the GPU through host memory (mesh/staging.py).
+
     Example:
         >>> backend_for("cpu")
         'gloo'
     """
-    return "nccl" if device_type == "cuda" else "gloo"
+    if device_type != "cuda":
+        return "gloo"
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()).lower():
+        return "gloo"
+    return "nccl"
 
 
-def ensure_default_group(device_type: str) -> None:
+def check_nccl_devices(world_per_host: int, devices: int) -> None:
+    """Raise a clear error when ranks on one host outnumber its GPUs for NCCL (which refuses shared GPUs).
+
+    Example:
+        >>> check_nccl_devices(4, 8)
+        >>> check_nccl_devices(4, 1)  # doctest: +SKIP
+        RuntimeError: shardprop: 4 ranks per host on 1 CUDA device(s) ...
+    """
+    if devices < 1:
+        raise RuntimeError("shardprop: a CUDA mesh needs a CUDA device, and torch.cuda.device_count() is 0 "
+                           "(use device_type 'cpu', or a CUDA build of torch on a machine with a GPU)")
+    if world_per_host > devices:
+        raise RuntimeError(
+            f"shardprop: {world_per_host} ranks per host on {devices} CUDA device(s): NCCL needs one GPU per rank "
+            "(it fails with 'Duplicate GPU detected'). Start the default group with gloo instead "
+            "(ensure_default_group('cuda', backend='gloo') or init_process_group('gloo')): the ranks then share "
+            "the GPUs, CUDA tensors travel over gloo, point-to-point moves staged through host memory.")
+
+
+def ensure_default_group(device_type: str, backend: Optional[str] = None) -> None:
     """Initialise the default process group from the environment if needed.
 
     Reuses an existing default group. On CUDA the group is initialised eagerly
     with ``device_id`` so sub-groups can be split from its communicator.
+    ``backend="gloo"`` on CUDA: ranks may share GPUs (see :func:`backend_for`).
 
     Example:
         >>> ensure_default_group("cpu")  # doctest: +SKIP
@@ -74,11 +102,15 @@ def ensure_default_group(device_type: str) -> None:
             f"lacks {missing}; launch with torchrun or call torch.distributed.init_process_group first"
         )
     kwargs = {}
+    backend = backend or backend_for(device_type)
     if device_type == "cuda":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        check_nccl_devices(local_world if backend == "nccl" else 1, torch.cuda.device_count())
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend=backend_for(device_type), timeout=_timeout, **kwargs)
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend=backend, timeout=_timeout, **kwargs)
 
 
 def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Optional[dist.ProcessGroup]:

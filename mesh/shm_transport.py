@@ -188,6 +188,8 @@ class Transport:
         Example:
             >>> t = active(); t.send(1, torch.ones(4)); t.flush()  # doctest: +SKIP
         """
+        if not view.is_cpu:
+            raise _host_only("send", view)
         nbytes = view.numel() * view.element_size()
         with self._lock:
             ring = self._out[dst]
@@ -260,6 +262,8 @@ class Transport:
             >>> out = torch.empty(4); active().recv(0, out).wait()  # doctest: +SKIP
             True
         """
+        if not view.is_cpu:
+            raise _host_only("recv", view)
         handle = _Recv(self, src, view)
         with self._lock:
             self._pending[src].append(handle)
@@ -400,6 +404,12 @@ def _copy_out(ring: _Ring, off: int, view: torch.Tensor, nbytes: int) -> None:
         ctypes.memmove(view.data_ptr(), ring.address + off, nbytes)
     else:
         view.copy_(ring.data[off:off + nbytes].view(view.dtype).view(view.shape))
+
+
+def _host_only(what: str, view: torch.Tensor) -> TypeError:
+    """The error for device memory handed to the rings, which copy with the CPU (raised before any copy)."""
+    return TypeError(f"shardprop shm transport: {what} of a {view.device} tensor; shared memory carries host "
+                     "memory only (collectives.py stages device tensors through host memory before they get here)")
 
 
 def _running(pid: int) -> bool:
