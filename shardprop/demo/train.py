@@ -7,8 +7,10 @@
     python -m shardprop.demo --steps 10 --checkpoint ckpt              # save at the end (DCP)
     python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
 
-Spawns CPU ranks (gloo on 127.0.0.1) unless started by torchrun; with two or more
-GPUs it uses CUDA/NCCL. On a ``("dp", "tp")`` mesh the model is parallelized over
+Spawns ranks (on 127.0.0.1) unless started by torchrun: on the CPU over gloo, or with
+``--device cuda`` (the default when torch sees a GPU) on the GPUs: NCCL with one GPU per rank,
+or, with fewer GPUs than ranks (one GPU), the ranks sharing them over gloo with CUDA tensors;
+see :mod:`shardprop.demo.devices`. The first line says which backend carries what. On a ``("dp", "tp")`` mesh the model is parallelized over
 ``tp`` with :func:`shardprop.demo.model.tp_plan`, each dp rank trains on its rows of
 the same synthetic batch, and gradients are averaged over ``dp`` with bucketed
 all-reduces. Every step prints the loss and the collectives this rank issued;
@@ -65,8 +67,18 @@ def parse_mesh(spec: Optional[str], world: int):
     return shape, (("tp",) if len(shape) == 1 else ("dp", "tp"))
 
 
-def _device_type() -> str:
-    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+def _device_type(args) -> str:
+    """The device this rank trains on: ``args.device`` as :func:`shardprop.demo.devices.plan` resolved it.
+
+    Left at ``auto`` (rank_main called inside an existing group, as tests do): cuda only when the
+    default group has NCCL, so a gloo pool of ranks stays on the CPU.
+    """
+    device = getattr(args, "device", "auto")
+    if device != "auto":
+        return device
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -200,11 +212,13 @@ def rank_main(args) -> dict:
     shape, names = parse_mesh(args.mesh, world)
     if getattr(args, "fsdp", False) and len(shape) == 1:
         names = ("dp",)  # --fsdp on a 1-d mesh: fully sharded data parallel only
-    device = _device_type()
+    device = _device_type(args)
     mesh = shardprop.init_device_mesh(device, shape, mesh_dim_names=names)
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     cfg = config_from(args)
+    if getattr(args, "placement", None):
+        say(args.placement)
     say(f"shardprop demo: {world} ranks on {device}, mesh {dict(zip(names, shape))}; model dim {cfg.dim}, "
         f"{cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq {cfg.seq_len}, "
         f"batch {args.batch}, {args.optimizer}{', loss_parallel' if args.loss_parallel else ''}"
@@ -261,7 +275,8 @@ def tour(mesh_shape) -> None:
 
 def _run(args) -> None:
     from shardprop.mesh.groups import ensure_default_group
-    ensure_default_group("cpu" if args.tour else _device_type())
+    ensure_default_group("cpu" if args.tour else _device_type(args),
+                         backend=None if args.tour else getattr(args, "backend", None))
     if args.tour:
         shape = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else (dist.get_world_size(),)
         tour(shape)
@@ -282,7 +297,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default 4; GPUs: min(4, count))")
+    p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default 4)")
     p.add_argument("--mesh", default=None, help="DPxTP or TP, e.g. 2x2, 1x4, 4 (default 2x2 on 4 ranks)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--dim", type=int, default=64)
@@ -302,12 +317,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="train under torch.compile (backend: inductor, or e.g. aot_eager)")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: NCCL with one GPU per rank, or ranks sharing fewer GPUs over gloo (default: cuda if any)")
     return p
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun, or inside a pool of ranks
+    from shardprop.demo.devices import plan, visible_gpus
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.tour:
+        args.device = "cpu"
+    ranks = (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if under_launcher else args.nproc)
+    chosen = plan(args.device, ranks, visible_gpus())
+    args.device, args.backend, args.placement = chosen.device, chosen.backend, chosen.describe()
+    if under_launcher:  # under torchrun, or inside a pool of ranks
         torch.set_num_threads(1)
         own_group = not dist.is_initialized()
         try:
@@ -316,9 +340,7 @@ def main(argv=None) -> None:
             if own_group and dist.is_initialized():
                 dist.destroy_process_group()
         return
-    nproc = args.nproc
-    if nproc is None:
-        nproc = min(4, torch.cuda.device_count()) if _device_type() == "cuda" else 4
+    nproc = chosen.nproc
     if not args.tour:
         parse_mesh(args.mesh, nproc)  # a bad --mesh fails here, not in every spawned rank
     import torch.multiprocessing as mp
