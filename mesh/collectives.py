@@ -147,6 +147,10 @@ def _functional(kind: str, t: torch.Tensor, group, n: int, op: str = "sum", out_
     f = torch.ops._c10d_functional
     name = group.group_name
     rop = "sum" if op == "avg" else op  # avg is a sum divided afterwards, as in eager
+    device = t.device
+    if device.type != "cpu" and staging.decide(kind, t, group) == staging.STAGE:
+        # Staged in the graph itself: to host, the collective, back (mesh/staging.py says where).
+        return _functional(kind, t.cpu(), group, n, op, out_split, in_split).to(device)
     if kind == "all_gather":
         out = f.all_gather_into_tensor(t, n, name)
     elif kind == "reduce_scatter":

@@ -1,4 +1,8 @@
-"""Session-wide test setup: the `gpu` marker and shutting down rank pools."""
+"""Session-wide test setup: the `cuda` and `gpu` markers, and shutting down rank pools.
+
+The CUDA tier (``make test-gpu``): `cuda` tests need one CUDA device, `gpu` tests two or more;
+both are skipped where torch sees fewer (a CPU machine, a CPU build of torch).
+"""
 
 import os
 
@@ -9,6 +13,7 @@ from tests.rankpool import shutdown_all
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs at least 2 CUDA devices; skipped otherwise")
+    config.addinivalue_line("markers", "cuda: needs at least 1 CUDA device; skipped otherwise")
     config.addinivalue_line("markers", "slow: long variants; run with SHARDPROP_SLOW=1")
 
 
@@ -19,14 +24,17 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker("slow"):
                 item.add_marker(skip_slow)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") and not item.get_closest_marker("gpu")]
+    if not gpu_items and not cuda_items:
         return
     import torch  # only when a gpu test was collected: the import costs seconds
 
-    if torch.cuda.device_count() < 2:
-        skip = pytest.mark.skip(reason=f"needs >= 2 CUDA devices, found {torch.cuda.device_count()}")
-        for item in gpu_items:
-            item.add_marker(skip)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for need, marked in ((2, gpu_items), (1, cuda_items)):
+        if count < need:
+            skip = pytest.mark.skip(reason=f"needs >= {need} CUDA device(s), found {count}")
+            for item in marked:
+                item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):

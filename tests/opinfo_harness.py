@@ -109,7 +109,25 @@ def _reference_engine() -> Engine:
     )
 
 
-ENGINES = {"shardprop": _shardprop_engine, "reference": _reference_engine}
+def _shardprop_cuda_engine() -> Engine:
+    """shardprop with every DTensor on this rank's GPU (the CUDA tier): inputs drawn on the CPU are
+    moved to the GPU before distributing, and gathered outputs come back to the CPU to compare."""
+    import torch
+
+    import shardprop as sp
+
+    return Engine(
+        "shardprop_cuda",
+        lambda shape: sp.init_device_mesh("cuda", shape),
+        lambda t, mesh, pl: sp.distribute_tensor(t.to("cuda"), mesh, pl, src_data_rank=0),
+        lambda x: x.full_tensor().cpu(),
+        lambda x: isinstance(x, sp.DTensor),
+        sp.Shard,
+        sp.Replicate,
+    )
+
+
+ENGINES = {"shardprop": _shardprop_engine, "reference": _reference_engine, "shardprop_cuda": _shardprop_cuda_engine}
 
 # Per rank process: built once, since meshes and process groups are created collectively.
 _engines: dict = {}

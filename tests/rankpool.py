@@ -41,7 +41,7 @@ import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["RankPool", "RankError", "RankTimeout", "run_on_ranks", "get_pool", "shutdown_all"]
+__all__ = ["RankPool", "RankError", "RankTimeout", "run_on_ranks", "run_on_backend", "get_pool", "shutdown_all"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,12 +89,17 @@ def _worker_main(rank, world_size, port, conn, log_path, collective_timeout, bac
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # 8 ranks share 2 cores
+        kwargs = {}
+        if "nccl" in backend:  # one GPU per rank (NCCL refuses two ranks on one GPU)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group(
             backend,
             rank=rank,
             world_size=world_size,
             init_method=f"tcp://127.0.0.1:{port}",
             timeout=timedelta(seconds=collective_timeout),
+            **kwargs,
         )
         reply = ("ok", os.getpid())
     except BaseException:
@@ -372,21 +377,27 @@ MAX_LIVE_POOLS = 2
 _POOLS = collections.OrderedDict()  # world_size -> RankPool, least recently used first
 
 
-def get_pool(world_size):
-    """The session's pool for ``world_size``, started if needed; shuts down
-    the least recently used pools beyond MAX_LIVE_POOLS.
+def get_pool(world_size, backend="gloo"):
+    """The session's pool for ``world_size`` ranks of ``backend``, started if
+    needed; shuts down the least recently used pools beyond MAX_LIVE_POOLS.
+
+    A gloo pool is keyed by its size alone; others by (size, backend). The
+    CUDA tier runs 4 ranks sharing one GPU on the ordinary gloo pool (each
+    rank puts its tensors on cuda:0) and NCCL meshes on ``backend="nccl"``.
 
     Example::
 
         get_pool(4).run(torch.distributed.get_world_size)  # [4, 4, 4, 4]
+        get_pool(1, "nccl")  # one rank, one GPU
     """
-    pool = _POOLS.pop(world_size, None)
+    key = world_size if backend == "gloo" else (world_size, backend)
+    pool = _POOLS.pop(key, None)
     live = [p for p in _POOLS.values() if p.alive]
     for old in live[: max(0, len(live) - (MAX_LIVE_POOLS - 1))]:
         old.shutdown()  # before starting new workers, to bound memory
     if pool is None:
-        pool = RankPool(world_size)
-    _POOLS[world_size] = pool
+        pool = RankPool(world_size, backend=backend)
+    _POOLS[key] = pool
     return pool
 
 
@@ -400,6 +411,17 @@ def run_on_ranks(world_size, fn, *args, **kwargs):
     """
     __tracebackhide__ = True
     return get_pool(world_size).run(fn, *args, **kwargs)
+
+
+def run_on_backend(backend, world_size, fn, *args, **kwargs):
+    """``run_on_ranks`` on a pool of ``backend`` (e.g. ``"nccl"``: one GPU per rank).
+
+    Example::
+
+        run_on_backend("nccl", 1, _sum_of_ranks)  # [0.0]
+    """
+    __tracebackhide__ = True
+    return get_pool(world_size, backend).run(fn, *args, **kwargs)
 
 
 def shutdown_all():
