@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: demo test test-release bench sweep install
+.PHONY: demo test test-release bench sweep install test-gpu bench-gpu
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -41,3 +41,30 @@ bench: $(STAMP)
 
 sweep: $(STAMP)
 	$(PY) bench/op_sweep.py
+
+# The CUDA tier (tests marked cuda: one GPU; gpu: two or more), skipped where torch sees no GPU;
+# CPU CI never runs it. Its venv (.venv-gpu) takes torch's default build from the registry, the
+# CUDA one on Linux x86-64, never the CPU wheel on disk; it refuses a CPU build. GPU_PY=python
+# uses an interpreter that already has a CUDA torch (and shardprop importable) instead:
+#   make test-gpu                      the whole tier (about 10-20 minutes on one GPU)
+#   make test-gpu GPU_PY=.venv/bin/python   on a CPU machine: every test skips
+#   make bench-gpu                     the CUDA benchmarks (dispatch hot path, TP step)
+GPU_TORCH ?= 2.15.0
+GPU_VENV := .venv-gpu
+GPU_PY ?= $(GPU_VENV)/bin/python
+GPU_STAMP := $(if $(filter $(GPU_VENV)/bin/python,$(GPU_PY)),$(GPU_VENV)/.installed)
+
+$(GPU_VENV)/.installed: pyproject.toml
+	test -x $(GPU_VENV)/bin/python || python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q "torch==$(GPU_TORCH)"
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(GPU_VENV)/bin/python -c "import torch; assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build: the GPU tier needs the CUDA build'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+	touch $@
+
+test-gpu: $(GPU_STAMP)
+	$(GPU_PY) -c "import torch; print('torch', torch.__version__, 'CUDA devices:', torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+	SHARDPROP_TEST_COLLECTIVE_TIMEOUT=300 $(GPU_PY) -m pytest -q -p no:cacheprovider -rs -m "cuda or gpu" tests
+
+bench-gpu: $(GPU_STAMP)
+	$(GPU_PY) bench/dispatch.py --device cuda
+	$(GPU_PY) bench/tp_cuda.py

@@ -396,7 +396,10 @@ def get_pool(world_size, backend="gloo"):
     for old in live[: max(0, len(live) - (MAX_LIVE_POOLS - 1))]:
         old.shutdown()  # before starting new workers, to bound memory
     if pool is None:
-        pool = RankPool(world_size, backend=backend)
+        # The CUDA tier (make test-gpu) sets a longer limit: ranks sharing one GPU compile
+        # (inductor) or warm up at different speeds before they meet in a collective.
+        pool = RankPool(world_size, backend=backend,
+                        collective_timeout=float(os.environ.get("SHARDPROP_TEST_COLLECTIVE_TIMEOUT", "20")))
     _POOLS[key] = pool
     return pool
 

@@ -115,14 +115,17 @@ def _examples(mesh_ndim, n, seed):
     return out
 
 
-def _redistribute_once(mesh, ex):
-    """(local result, full tensor, gradient of the source's local tensor or None) of one transition."""
+def _redistribute_once(mesh, ex, device="cpu"):
+    """(local result, full tensor, gradient of the source's local tensor or None) of one transition.
+
+    ``device``: where the local tensors live (the CUDA tier passes this rank's GPU with a cuda mesh).
+    """
     from shardprop import DTensor, Partial
     from tests.test_redistribute import _full, _partial_local
     from shardprop.mesh.async_tensor import wait_all
     shape, src, dst, seed, async_op = ex
     full = _full(shape, seed)
-    local = _partial_local(full, mesh, src, seed)
+    local = _partial_local(full, mesh, src, seed).to(device)
     grad_ok = not any(type(p) is Partial and p.reduce_op in ("max", "min") for p in (*src, *dst))
     if grad_ok:
         local = local.clone().requires_grad_(True)
@@ -131,7 +134,7 @@ def _redistribute_once(mesh, ex):
     out = wait_all(y.to_local()).detach().clone()
     back = y.full_tensor()
     if grad_ok:
-        (back * _full(shape, seed + 2)).sum().backward()
+        (back * _full(shape, seed + 2).to(device)).sum().backward()
     return out, back.detach(), (local.grad if grad_ok else None)
 
 
