@@ -2,10 +2,12 @@
 
 Overhead = time on DTensors - time on the plain local tensors. Contenders run
 interleaved in rounds in one process; medians over rounds; ratios reported.
-A one-rank gloo world keeps communication out of the measurement (every op
-here runs without redistribution on the hit path).
+A one-rank world keeps communication out of the measurement (every op
+here runs without redistribution on the hit path): gloo on CPU, NCCL with
+``--device cuda`` (tensors on the GPU; each timed loop ends with a synchronize,
+so the figures are absolute microseconds per call, launch and kernel included).
 
-    python bench/dispatch.py [--rounds 15] [--iters 200] [--json out.json]
+    python bench/dispatch.py [--rounds 15] [--iters 200] [--json out.json] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -21,11 +23,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def _setup():
+DEVICE = "cpu"
+
+
+def _setup(device: str = "cpu"):
+    global DEVICE
+    if device == "cuda" and not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        raise SystemExit("bench/dispatch.py --device cuda: torch sees no CUDA device here (a CPU build of torch, or "
+                         "no GPU); run it on a GPU machine (make bench-gpu), or use --device cpu")
+    DEVICE = device
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 class _Engine:
@@ -35,11 +54,11 @@ class _Engine:
         self.name = name
         if name == "shardprop":
             import shardprop as m
-            self.mesh = m.init_device_mesh("cpu", (1,))
+            self.mesh = m.init_device_mesh(DEVICE, (1,))
         else:
             import torch.distributed.tensor as m
             from torch.distributed.device_mesh import init_device_mesh
-            self.mesh = init_device_mesh("cpu", (1,))
+            self.mesh = init_device_mesh(DEVICE, (1,))
         self.m = m
 
     def dist(self, t, shard=None, requires_grad=False):
@@ -53,12 +72,12 @@ def _cases():
     g = torch.Generator().manual_seed(0)
 
     def r(*s):
-        return torch.randn(*s, generator=g)
+        return torch.randn(*s, generator=g).to(DEVICE)
 
     a, b, bias = r(64, 64), r(64, 64), r(64)
     x, lnw, lnb = r(32, 64), r(64), r(64)
-    idx, emb = torch.randint(0, 100, (32,), generator=g), r(100, 64)
-    lin = torch.nn.Linear(64, 64)
+    idx, emb = torch.randint(0, 100, (32,), generator=g).to(DEVICE), r(100, 64)
+    lin = torch.nn.Linear(64, 64).to(DEVICE)
     return {
         "mm": (lambda wr: (wr(a, 0), wr(b)), lambda p, q: torch.mm(p, q)),
         "addmm": (lambda wr: (wr(bias), wr(a, 0), wr(b)), lambda c, p, q: torch.addmm(c, p, q)),
@@ -80,9 +99,11 @@ def _cases():
 
 def _timeit(fn, args, iters):
     fn(*args)
+    _sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn(*args)
+    _sync()
     return (time.perf_counter() - t0) / iters
 
 
@@ -127,13 +148,16 @@ def _miss_times(engines, n=30):
             ts, base = [], []
             try:
                 for i in range(n):
-                    t = torch.randn(16 + i, 16)
+                    t = torch.randn(16 + i, 16).to(DEVICE)
                     d = e.dist(t, 0)
+                    _sync()
                     t0 = time.perf_counter()
                     fn(d)
+                    _sync()
                     ts.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     fn(t)
+                    _sync()
                     base.append(time.perf_counter() - t0)
                 row[e.name] = (statistics.median(ts) - statistics.median(base)) * 1e6
             except Exception as ex:
@@ -149,8 +173,10 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--json")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: a one-rank NCCL mesh, tensors on the GPU (absolute us per call)")
     args = p.parse_args()
-    _setup()
+    _setup(args.device)
     res = run(args.rounds, args.iters)
     from tabulate import tabulate
     rows = []
@@ -160,6 +186,7 @@ def main():
         f = lambda v: "error" if v is None else f"{v:.1f}"
         rows.append([name, f(r["local_us"]), f(r["shardprop_overhead_us"]), f(r["reference_overhead_us"]),
                      f"{r['ratio']:.2f}" if "ratio" in r else "-", "; ".join(f"{k}: {v}" for k, v in r["errors"].items())])
+    print(f"device {DEVICE}, torch {torch.__version__}")
     print("Cache-hit dispatch overhead (us per call; ratio = shardprop / reference, lower is better)")
     print(tabulate(rows, headers=["op", "local", "shardprop", "reference", "ratio", "errors"]))
     ratios = [r["ratio"] for k, r in res.items() if not k.startswith("_") and "ratio" in r]

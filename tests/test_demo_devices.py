@@ -62,3 +62,22 @@ def test_demo_main_one_gpu_spawns_four_gloo_ranks(monkeypatch):
     ns = args[2]
     assert (ns.device, ns.backend) == ("cuda", "gloo")
     assert ns.placement.startswith("4 ranks on cuda:0, gloo carrying CUDA tensors")
+
+
+def _bench(name):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", name)
+    spec = importlib.util.spec_from_file_location(f"_bench_{name[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cuda_benchmarks_refuse_clearly_without_a_gpu(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
+        _bench("dispatch.py")._setup("cuda")
+    with pytest.raises(SystemExit, match="tp_cuda.py: torch sees no CUDA device"):
+        _bench("tp_cuda.py").main([])
