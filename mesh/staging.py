@@ -108,7 +108,12 @@ def group_backend(group) -> str:
 
 
 def forced() -> str:
-    """The forced mode now in effect: ``""`` (off), ``"cuda"`` or ``"all"``."""
+    """The forced mode now in effect: ``""`` (off), ``"cuda"`` or ``"all"`` (off inside a staged call's host copy).
+
+    Example:
+        >>> forced() in ("", "cuda", "all")
+        True
+    """
     return _forced if not _inside else ""
 
 
@@ -154,7 +159,13 @@ def decide(call: str, t: torch.Tensor, group) -> str:
 
 @contextmanager
 def host_call() -> Iterator[None]:
-    """Inside: the host copies of a staged call are never staged again (forced mode off)."""
+    """Inside: the host copies of a staged call are never staged again (forced mode off).
+
+    Example:
+        >>> with host_call():
+        ...     forced()
+        ''
+    """
     global _inside
     _inside += 1
     try:
