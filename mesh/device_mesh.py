@@ -297,6 +297,9 @@ def _rebind(device_type, flat, shape, names) -> DeviceMesh:
     if me not in flat:
         raise ValueError(f"cannot unpickle {what}: this rank ({me}) is not in it and no such mesh exists here "
                          f"(was the file saved by another rank?); {hint}")
+    if device_type == "cuda" and torch.cuda.device_count() == 0:  # its groups may be gloo's, shared with CPU meshes
+        raise ValueError(f"cannot unpickle {what}: this process sees no CUDA device, so no such mesh exists here; "
+                         f"create the mesh (init_device_mesh, on a machine with a GPU) before loading; {hint}")
     # A mesh nobody holds any more (a slice such as mesh["tp"]) whose groups exist: rebuild it.
     backend = _groups.backend_for(device_type)
     layout = torch.tensor(flat, dtype=torch.int64).reshape(shape)
