@@ -229,3 +229,36 @@ def test_fully_shard_gather_into_views_staged():
     results = run_on_ranks(4, _gather_views_staged, timeout=180)
     F._check([r[0] for r in results], F._reference(), 1e-5)
     assert all(stats.get("all_gather_views", 0) > 0 for _, stats in results), [s for _, s in results]
+
+
+# ---------------------------------------------------------------- backend choice for CUDA meshes (mocked)
+
+def test_backend_for_cuda_follows_the_default_group(monkeypatch):
+    from shardprop.mesh import groups
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for default, want in (("gloo", "gloo"), ("nccl", "nccl"), ("cpu:gloo,cuda:nccl", "nccl")):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, d=default: d)
+        assert groups.backend_for("cuda") == want, default
+        assert groups.backend_for("cpu") == "gloo"
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert groups.backend_for("cuda") == "nccl"
+
+
+def test_nccl_with_shared_gpus_or_no_gpu_is_a_clear_error(monkeypatch):
+    from shardprop.mesh import groups
+    groups.check_nccl_devices(4, 4)
+    with pytest.raises(RuntimeError, match="4 ranks per host on 1 CUDA device.*Duplicate GPU.*gloo"):
+        groups.check_nccl_devices(4, 1)
+    with pytest.raises(RuntimeError, match="torch.cuda.device_count\\(\\) is 0"):
+        groups.check_nccl_devices(1, 0)
+    # ensure_default_group refuses before any process group is started
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    started = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append(k))
+    for k, v in dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="NCCL needs one GPU per rank"):
+        groups.ensure_default_group("cuda")
+    assert not started
