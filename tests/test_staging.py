@@ -262,3 +262,56 @@ def test_nccl_with_shared_gpus_or_no_gpu_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="NCCL needs one GPU per rank"):
         groups.ensure_default_group("cuda")
     assert not started
+
+
+def _each_call_staged():
+    """Rank side: every collective of mesh/collectives.py with staging forced ("all") vs unstaged."""
+    from shardprop import init_device_mesh
+    from shardprop.mesh import collectives as C
+    mesh = init_device_mesh("cpu", (4,))
+    me = dist.get_rank()
+    g = torch.Generator().manual_seed(me)
+    x = torch.randn(8, 3, generator=g)
+
+    def calls():
+        out = {}
+        out["all_gather"] = C.all_gather(x, mesh, 0)
+        out["all_gather_async"] = C.all_gather(x, mesh, 0, async_op=True).wait()
+        out["reduce_scatter_avg"] = C.reduce_scatter(x, mesh, 0, "avg")
+        out["all_reduce_max"] = C.all_reduce(x, mesh, 0, "max")
+        y = x.clone()
+        C.all_reduce(y, mesh, 0, inplace=True)
+        out["all_reduce_inplace"] = y
+        out["all_to_all"] = C.all_to_all(x, mesh, 0)
+        split = [1 + (me + j) % 2 for j in range(4)]  # rank r sends 1 + (r + j) % 2 rows to j: symmetric
+        out["all_to_all_uneven"] = C.all_to_all(x[:6], mesh, 0, split, split)
+        b = x.clone()
+        C.broadcast(b, mesh, 0, src=2)
+        out["broadcast"] = b
+        s = torch.empty(2, 3)
+        C.scatter(list(x.chunk(4)) if me == 1 else None, s, mesh, 0, src=1)
+        out["scatter"] = s
+        flat = torch.empty(4 * 5)
+        views = [flat[:8].view(4, 2), flat[8:].view(4, 3)]
+        C.all_gather_into_views(views, [x[0, :2].reshape(1, 2), x[1].reshape(1, 3)], flat, mesh, 0)
+        out["gather_into_views"] = flat.clone()
+        recv = torch.zeros(3, 2)
+        C.send_recv([(x[:3, :2], (me + 1) % 4, 0)], [(recv, (me - 1) % 4, 0)], C.p2p_group(mesh), recv)
+        out["send_recv"] = recv
+        return out
+
+    want = calls()
+    staging.stats.clear()
+    old = staging.force("all")
+    try:
+        got = calls()
+    finally:
+        staging.force(old)
+    problems = [k for k in want if not torch.equal(want[k], got[k])]
+    return problems, dict(staging.stats)
+
+
+def test_each_collective_staged_equals_unstaged():
+    for problems, stats in run_on_ranks(4, _each_call_staged, timeout=120):
+        assert not problems, problems
+        assert set(stats) == set(staging.CALLS), stats  # every kind of call went through host memory
