@@ -103,6 +103,14 @@ class FSDPModule:
         """
         self._fsdp_unit.gradient_divide_factor = float(factor)
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """With True, gradients are reduced with a plain sum and divided afterwards (never an averaging op).
+
+        Example:
+            >>> model.set_force_sum_reduction_for_comms(True)  # doctest: +SKIP
+        """
+        self._fsdp_unit.force_sum_reduction = enable
+
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """All-gather ``modules``' parameters right after this unit's own gather in forward.
 

@@ -77,6 +77,7 @@ class FSDPUnit:
         self.requires_all_reduce = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: Optional[float] = None
+        self.force_sum_reduction = False
         self.forward_prefetch: Optional[List["FSDPUnit"]] = None
         self.backward_prefetch: Optional[List["FSDPUnit"]] = None
         self.is_root = False
@@ -240,6 +241,8 @@ class FSDPUnit:
         b = self.buffers
         packed = torch.empty((self.dp_mesh.size(), b.shard_numel), dtype=b.reduce_dtype, device=b.full.device)
         factor = self.gradient_divide_factor
+        if factor is None and self.force_sum_reduction:  # sum, then divide by the data-parallel size
+            factor = float(self.dp_mesh.size() * (self.replicate_mesh.size() if self.replicate_mesh else 1))
         with torch.no_grad():
             for s in self.slots:
                 b.pack_gradient(s, packed, self._local_grad(s) if s.requires_grad else None)
