@@ -502,6 +502,34 @@ def test_cpu_offload_on_a_cpu_mesh():
         assert loss_offload == loss_plain  # host memory already: a no-op, as torch's
 
 
+def _last_backward_and_override():
+    from shardprop import MixedPrecisionPolicy
+    from shardprop.parallel.fsdp_hooks import units_under
+    model = _shard("shardprop", Net())
+    x, y = _data(0)
+    model.set_is_last_backward(False)
+    _micro(model, x[:2], y[:2], 1)
+    in_flight = [u._reduce is not None for u in units_under(model)]
+    model.set_is_last_backward(True)
+    _micro(model, x[2:], y[2:], 1)
+    done = [u._reduce is None for u in units_under(model)] + [p.grad is not None for p in model.parameters()]
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False,  # inputs follow param_dtype
+                              param_dtype_override_fn=lambda p: torch.float32)
+    block = _api("shardprop")[0](Block(), mesh=_mesh("shardprop", "1d"), mp_policy=mp)
+    seen = []
+    block.up.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    block(x)
+    return in_flight, done, seen, mp.grad_reduce_dtype(torch.float32)
+
+
+def test_is_last_backward_false_leaves_the_last_reduce_in_flight_and_dtype_override():
+    for in_flight, done, seen, reduce_dtype in run_on_ranks(4, _last_backward_and_override):
+        assert sum(in_flight) == 1, in_flight  # the end of that backward did not wait for the last one
+        assert all(done), done
+        assert seen == [torch.float32]  # param_dtype_override_fn kept the unit in float32
+        assert reduce_dtype == torch.float32  # 2.15: reduce_dtype=None follows the parameter, not param_dtype
+
+
 def test_signature_mirrors_torch():
     import shardprop
     from torch.distributed.fsdp import fully_shard as ref

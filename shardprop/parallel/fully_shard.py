@@ -279,11 +279,15 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bo
     dtypes = {s.orig_dtype for s in slots}
     if len(dtypes) > 1:
         raise NotImplementedError(f"fully_shard: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
+    compute = {mp_policy.param_compute_dtype(p) for *_, p in params}
+    if len(compute) > 1:  # one flat gather per unit: one dtype
+        raise NotImplementedError(f"fully_shard: param_dtype_override_fn gives the parameters of one unit several "
+                                  f"compute dtypes {sorted(map(str, compute))}; shard them as separate units")
     buffers = None
     if slots:
         orig = slots[0].orig_dtype
         device = _compute_device(dp_mesh, offload, sources[0])
-        buffers = UnitBuffers(slots, orig, mp_policy.compute_dtype(orig), mp_policy.grad_reduce_dtype(orig), device,
+        buffers = UnitBuffers(slots, orig, compute.pop(), mp_policy.grad_reduce_dtype(orig), device,
                               shard_device=torch.device("cpu") if offload else None, pin_memory=pin)
         with torch.no_grad():
             for s, src, spec in zip(slots, sources, specs):
