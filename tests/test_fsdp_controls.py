@@ -224,6 +224,58 @@ def _dim1(impl):
     return lambda p: shard(1) if p.ndim == 2 else None
 
 
+def _shard_inp_apart(impl, model):
+    fully_shard, _, _ = _api(impl)
+    fully_shard(model.inp, mesh=_mesh(impl, "1d"))  # its weight is not needed in backward (x needs no grad)
+    _shard(impl, model)
+    model.inp.set_unshard_in_backward(False)
+    return model
+
+
+def _shard_with_hook(impl, model):
+    _shard(impl, model)
+    for m in [*model.layers, model]:
+        m.set_all_reduce_hook(lambda t: t.mul_(2.0))
+    return model
+
+
+def _shard_keeping_storage(impl, model):
+    _shard(impl, model)
+    keep = getattr(model, "set_keep_unsharded_storage", None)  # torch 2.15; the numbers are the same without
+    if keep is not None:
+        keep(True)
+    return model
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _shard_then_fail(impl, model):
+    """An exception in layers[1]'s forward, then reset_iter_state: training goes on as if nothing happened."""
+    _shard(impl, model)
+    reset = getattr(model, "reset_iter_state", None)  # torch 2.15; older: the plain run is the expectation
+    if reset is None:
+        return model
+    block = model.layers[1]
+
+    def boom(m, args):
+        raise _Boom("injected")
+
+    handle = block.up.register_forward_pre_hook(boom)
+    try:
+        model(_data(0)[0])
+    except _Boom:
+        pass
+    handle.remove()
+    try:
+        model.layers[0].reset_iter_state()
+    except RuntimeError as e:  # not the root
+        assert "root" in str(e)
+    reset()
+    return model
+
+
 CASES = {
     "default": (lambda impl, m: _shard(impl, m), _plain_step),
     "explicit_true": (lambda impl, m: _shard(impl, m, block_kw=dict(reshard_after_forward=True),
@@ -238,6 +290,10 @@ CASES = {
     "keep_gathered": (lambda impl, m: _shard(impl, m), _keep_gathered_step),
     "prefetch": (lambda impl, m: _shard(impl, m), _prefetch_step),
     "no_reshard": (lambda impl, m: _shard(impl, m), _no_reshard_step),
+    "unshard_in_backward": (_shard_inp_apart, _plain_step),
+    "all_reduce_hook": (_shard_with_hook, _plain_step),
+    "keep_storage": (_shard_keeping_storage, _plain_step),
+    "reset_after_error": (_shard_then_fail, _plain_step),
 }
 
 
@@ -267,7 +323,8 @@ def _placements_equal(a, b):
 
 
 _GROUP_A = ["default", "explicit_true", "reshard_int2", "shard_dim1", "hsdp", "divide_factor"]
-_GROUP_B = ["hsdp_no_all_reduce", "not_last_backward", "keep_gathered", "prefetch", "no_reshard"]
+_GROUP_B = ["hsdp_no_all_reduce", "not_last_backward", "keep_gathered", "prefetch", "no_reshard",
+            "unshard_in_backward", "all_reduce_hook", "keep_storage", "reset_after_error"]
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +410,18 @@ def test_reshard_after_backward_false_saves_the_next_gather(runs_b):
 def test_set_reshard_after_forward_false_skips_backward_gathers(runs_b):
     for rank_runs in runs_b:
         assert _per_step(rank_runs["no_reshard"]["shardprop"][3], "AG") == {("AG", 4): 4 * STEPS}
+
+
+def test_unshard_in_backward_false_skips_its_backward_gather(runs_b):
+    for rank_runs in runs_b:
+        # 5 units: 5 forward gathers; backward re-gathers the 3 blocks but not inp
+        assert _per_step(rank_runs["unshard_in_backward"]["shardprop"][3], "AG") == {("AG", 4): 8 * STEPS}
+
+
+def test_all_reduce_hook_changes_gradients(runs_a, runs_b):
+    for ra, rb in zip(runs_a, runs_b):
+        hooked, default = rb["all_reduce_hook"]["shardprop"][1], ra["default"]["shardprop"][1]
+        assert not torch.allclose(hooked["head.weight"], default["head.weight"], atol=1e-3)
 
 
 def _forward_order(log):
@@ -519,11 +588,18 @@ def _last_backward_and_override():
     seen = []
     block.up.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     block(x)
-    return in_flight, done, seen, mp.grad_reduce_dtype(torch.float32)
+    kept = _shard("shardprop", Net())
+    kept.set_keep_unsharded_storage(True)
+    ptrs = []
+    for _ in range(2):
+        _micro(kept, x, y, 1)
+        ptrs.append([(u.buffers.full_allocated, u.buffers.full.data_ptr()) for u in units_under(kept)])
+    return in_flight, done, seen, mp.grad_reduce_dtype(torch.float32), ptrs
 
 
-def test_is_last_backward_false_leaves_the_last_reduce_in_flight_and_dtype_override():
-    for in_flight, done, seen, reduce_dtype in run_on_ranks(4, _last_backward_and_override):
+def test_is_last_backward_false_dtype_override_and_kept_storage():
+    for in_flight, done, seen, reduce_dtype, ptrs in run_on_ranks(4, _last_backward_and_override):
+        assert all(alive for alive, _ in ptrs[0]) and ptrs[0] == ptrs[1], ptrs  # kept storage: same memory
         assert sum(in_flight) == 1, in_flight  # the end of that backward did not wait for the last one
         assert all(done), done
         assert seen == [torch.float32]  # param_dtype_override_fn kept the unit in float32

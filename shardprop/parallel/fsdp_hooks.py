@@ -151,14 +151,30 @@ def _register_pre_backward(unit: FSDPUnit, state: RootState, output) -> None:
         if not state.callback_queued:
             state.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(state.end_of_backward)
-        unit.wait_unsharded()
+        if unit.unshard_in_backward:
+            unit.wait_unsharded()
         unit.start_backward()
         for prev in state.next_in_backward(unit):
-            prev.unshard()  # prefetch: overlaps this unit's backward
+            if prev.unshard_in_backward:
+                prev.unshard()  # prefetch: overlaps this unit's backward
         return grad
 
     for t in tensors:
         t.register_hook(hook)
 
 
-__all__ = ["RootState", "units_under", "root_state_of", "pre_forward", "post_forward"]
+def reset_iteration(unit: FSDPUnit) -> None:
+    """``reset_iter_state`` on the root unit: forget the iteration an exception aborted."""
+    global _active_root
+    state = unit._root_state
+    if state is None or state.root is not unit:
+        raise RuntimeError(f"reset_iter_state: call it on the root FSDP module (the one whose forward ran first), "
+                           f"not on {type(unit.module).__name__}")
+    _active_root = None
+    state.in_forward = state.callback_queued = False
+    state._recording, state._post_recording = [], []
+    for u in state.units:
+        u.reset()
+
+
+__all__ = ["reset_iteration", "RootState", "units_under", "root_state_of", "pre_forward", "post_forward"]

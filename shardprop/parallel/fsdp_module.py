@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch.nn as nn
 
 from shardprop.parallel.fsdp_api import UnshardHandle
-from shardprop.parallel.fsdp_hooks import post_forward, pre_forward, root_state_of, units_under
+from shardprop.parallel.fsdp_hooks import post_forward, pre_forward, reset_iteration, root_state_of, units_under
 
 
 def _targets(module, recurse: bool):
@@ -102,6 +102,56 @@ class FSDPModule:
             >>> model.set_gradient_divide_factor(1.0)  # summed gradients  # doctest: +SKIP
         """
         self._fsdp_unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in torch: use :meth:`set_gradient_divide_factor`.
+
+        Example:
+            >>> model.set_reduce_scatter_divide_factor(1.0)  # doctest: +SKIP
+        """
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With False, backward does not gather this unit (its parameters are not needed there, e.g. an embedding).
+
+        Example:
+            >>> model.tok_embeddings.set_unshard_in_backward(False)  # doctest: +SKIP
+        """
+        self._fsdp_unit.unshard_in_backward = unshard_in_backward
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """With True, resharding keeps the full buffer's memory (same addresses every gather; more memory).
+
+        Example:
+            >>> model.set_keep_unsharded_storage(True)  # doctest: +SKIP
+        """
+        for unit in _targets(self, recurse):
+            unit.keep_unsharded_storage = keep
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """Call ``hook(reduced)`` on this unit's reduced gradient shards (flat) before they reach ``.grad``.
+
+        ``reduced`` is the reduce-scatter's output, or the all-reduce's with HSDP; the hook
+        may change it in place. shardprop runs no side streams: ``stream`` is accepted and
+        unused (refused with HSDP, as torch does).
+
+        Example:
+            >>> model.set_all_reduce_hook(lambda t: t.mul_(0.5))  # doctest: +SKIP
+        """
+        if stream is not None and self._fsdp_unit.replicate_mesh is not None:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP")
+        self._fsdp_unit.all_reduce_hook = hook
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: reshard everything and forget the iteration (call on the root).
+
+        The failed iteration's gradients are dropped (also those accumulated without sync).
+
+        Example:
+            >>> try: model(x).sum().backward()  # doctest: +SKIP
+            ... except RuntimeError: model.reset_iter_state()
+        """
+        reset_iteration(self._fsdp_unit)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """With True, gradients are reduced with a plain sum and divided afterwards (never an averaging op).

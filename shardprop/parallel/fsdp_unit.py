@@ -78,6 +78,9 @@ class FSDPUnit:
         self.reshard_after_backward = True
         self.gradient_divide_factor: Optional[float] = None
         self.force_sum_reduction = False
+        self.unshard_in_backward = True
+        self.keep_unsharded_storage = False
+        self.all_reduce_hook = None              # called on the reduced gradient shards before ``.grad``
         self.forward_prefetch: Optional[List["FSDPUnit"]] = None
         self.backward_prefetch: Optional[List["FSDPUnit"]] = None
         self.is_root = False
@@ -158,9 +161,27 @@ class FSDPUnit:
             return
         if self._gather is not None:  # a prefetch nobody used: finish it so the ranks stay in step
             self.wait_unsharded()
-        self.buffers.free_full()
+        if not self.keep_unsharded_storage:  # kept: the next gather writes into the same memory
+            self.buffers.free_full()
         self._group_piece = None
         self._unsharded = False
+
+    def reset(self) -> None:
+        """Forget an iteration an exception aborted: sharded parameters back, nothing pending, no gradients kept."""
+        global _in_flight
+        if _in_flight is self:
+            _in_flight = None
+        self._gather = self._staging = self._gather_input = None  # issued on every rank or on none: not awaited
+        self._gather_from_group = False
+        self.swap_out()
+        if self.buffers is not None:
+            self.buffers.free_full()
+        self._unsharded = False
+        self._group_piece = self._reduce = self._partial = None
+        self.backward_started = False
+        self._grad_pending = 0
+        for s in self.slots:
+            s.full_param.grad = None
 
     def reshard_to_group(self) -> None:
         """Keep only this rank's 1/N of the full buffer (N: the post-forward group's size), free the rest.
@@ -286,6 +307,8 @@ class FSDPUnit:
                                       inplace=True)
             if factor is not None:
                 gshard = gshard / factor
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(gshard)
             for s in self.slots:
                 if not s.requires_grad:
                     continue
