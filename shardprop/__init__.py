@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 # FSDP2's remaining public names (torch.distributed.fsdp), beside fully_shard / FSDPModule / MixedPrecisionPolicy.
-from shardprop.parallel.fsdp_api import CPUOffloadPolicy, OffloadPolicy, UnshardHandle  # noqa: E402
-from shardprop.parallel.fsdp_module import register_fsdp_forward_method  # noqa: E402
-__all__ += ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "register_fsdp_forward_method"]
+from shardprop.parallel.fsdp_api import CPUOffloadPolicy, GradientReductionHandle, OffloadPolicy, UnshardHandle  # noqa: E402
+from shardprop.parallel.fsdp_module import register_fsdp_forward_method, share_comm_ctx  # noqa: E402
+__all__ += ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle", "register_fsdp_forward_method",
+            "share_comm_ctx"]

@@ -208,6 +208,16 @@ def _keep_gathered_step(model, x, y):
     return _micro(model, x, y, 2, before)
 
 
+def _manual_finalize_step(model, x, y):
+    manual = getattr(model, "set_manual_backward_finalization", None)  # torch 2.15; older: plain backward
+    if manual is None:
+        return _micro(model, x, y, 1)
+    manual(True)
+    loss = _micro(model, x, y, 1)
+    model.finalize_backward(async_op=True).wait()
+    return loss
+
+
 def _prefetch_step(model, x, y):
     model.layers[0].set_modules_to_forward_prefetch([model.layers[1], model.layers[2]])
     model.layers[2].set_modules_to_backward_prefetch([model.layers[1], model.layers[0]])
@@ -294,6 +304,7 @@ CASES = {
     "all_reduce_hook": (_shard_with_hook, _plain_step),
     "keep_storage": (_shard_keeping_storage, _plain_step),
     "reset_after_error": (_shard_then_fail, _plain_step),
+    "manual_finalize": (lambda impl, m: _shard(impl, m), _manual_finalize_step),
 }
 
 
@@ -324,7 +335,7 @@ def _placements_equal(a, b):
 
 _GROUP_A = ["default", "explicit_true", "reshard_int2", "shard_dim1", "hsdp", "divide_factor"]
 _GROUP_B = ["hsdp_no_all_reduce", "not_last_backward", "keep_gathered", "prefetch", "no_reshard",
-            "unshard_in_backward", "all_reduce_hook", "keep_storage", "reset_after_error"]
+            "unshard_in_backward", "all_reduce_hook", "keep_storage", "reset_after_error", "manual_finalize"]
 
 
 @pytest.fixture(scope="module")
@@ -588,17 +599,30 @@ def _last_backward_and_override():
     seen = []
     block.up.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     block(x)
+    from shardprop import share_comm_ctx
+    manual = _shard("shardprop", Net())
+    manual.set_manual_backward_finalization(True)
+    _micro(manual, x, y, 1)
+    before = [p.grad is None for p in manual.parameters()]  # the end of backward left the work to finalize
+    handle = manual.finalize_backward(async_op=True)
+    handle.wait()
+    after = [p.grad is not None for p in manual.parameters()]
+    try:
+        share_comm_ctx([manual, nn.Linear(2, 2)])
+    except ValueError as e:
+        after.append("FSDPModules" in str(e))
     kept = _shard("shardprop", Net())
     kept.set_keep_unsharded_storage(True)
     ptrs = []
     for _ in range(2):
         _micro(kept, x, y, 1)
         ptrs.append([(u.buffers.full_allocated, u.buffers.full.data_ptr()) for u in units_under(kept)])
-    return in_flight, done, seen, mp.grad_reduce_dtype(torch.float32), ptrs
+    return in_flight, done, seen, mp.grad_reduce_dtype(torch.float32), ptrs, any(before), all(after)
 
 
 def test_is_last_backward_false_dtype_override_and_kept_storage():
-    for in_flight, done, seen, reduce_dtype, ptrs in run_on_ranks(4, _last_backward_and_override):
+    for in_flight, done, seen, reduce_dtype, ptrs, before, after in run_on_ranks(4, _last_backward_and_override):
+        assert before and after  # manual finalization: some .grad missing until finalize_backward's handle waits
         assert all(alive for alive, _ in ptrs[0]) and ptrs[0] == ptrs[1], ptrs  # kept storage: same memory
         assert sum(in_flight) == 1, in_flight  # the end of that backward did not wait for the last one
         assert all(done), done

@@ -58,4 +58,22 @@ class UnshardHandle:
             unit.swap_in()
 
 
-__all__ = ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
+class GradientReductionHandle:
+    """What ``FSDPModule.finalize_backward(async_op=True)`` returns: :meth:`wait` writes the last gradients.
+
+    Example:
+        >>> handle = model.finalize_backward(async_op=True)  # doctest: +SKIP
+        >>> handle.wait(); opt.step()  # doctest: +SKIP
+    """
+
+    def __init__(self, state=None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for the gradient reduction still in flight; every ``.grad`` is then final."""
+        state, self._state = self._state, None
+        if state is not None:
+            state.wait_for_gradients()
+
+
+__all__ = ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle"]

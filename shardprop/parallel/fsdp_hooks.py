@@ -41,6 +41,7 @@ class RootState:
         self.in_forward = False
         self.callback_queued = False
         self.is_last_backward = True
+        self.manual_finalization = False
 
     def next_in_forward(self, unit: FSDPUnit) -> List[FSDPUnit]:
         if unit.forward_prefetch is not None:
@@ -53,12 +54,23 @@ class RootState:
         return _neighbour(self.post_order, unit, -1)
 
     def end_of_backward(self) -> None:
+        self.callback_queued = False
+        if self.manual_finalization:
+            return  # finalize_backward() finishes the units
+        self.finalize(self.is_last_backward)
+
+    def finalize(self, wait: bool) -> None:
+        """Finish every unit's backward (reduce what is left, reshard); with ``wait``, write every ``.grad``."""
         # Units finish in a fixed (construction) order, so every rank issues any leftover
         # reduce-scatter (and HSDP all-reduce) in the same order. Not the last backward of a
         # step (set_is_last_backward(False)): the last reduce-scatter stays in flight.
         for unit in self.units:
-            unit.finish_gradients(wait=self.is_last_backward)
-        self.callback_queued = False
+            unit.finish_gradients(wait=wait)
+
+    def wait_for_gradients(self) -> None:
+        """Complete the reduce-scatter still in flight (if any) and write its gradients."""
+        for unit in self.units:
+            unit.complete_reduce()
 
 
 def _neighbour(order, unit, step) -> List[FSDPUnit]:

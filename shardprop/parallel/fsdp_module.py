@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch.nn as nn
 
-from shardprop.parallel.fsdp_api import UnshardHandle
+from shardprop.parallel.fsdp_api import GradientReductionHandle, UnshardHandle
 from shardprop.parallel.fsdp_hooks import post_forward, pre_forward, reset_iteration, root_state_of, units_under
 
 
@@ -94,6 +94,31 @@ class FSDPModule:
             >>> model.set_is_last_backward(True); loss2.backward(); opt.step()  # doctest: +SKIP
         """
         root_state_of(self._fsdp_unit).is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """With True (on the root), backward leaves its end to :meth:`finalize_backward`.
+
+        Example:
+            >>> model.set_manual_backward_finalization(True); loss.backward()  # doctest: +SKIP
+            >>> model.finalize_backward(); opt.step()  # doctest: +SKIP
+        """
+        unit = self._fsdp_unit
+        if unit.ran_forward and not unit.is_root:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
+        root_state_of(unit).manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> Optional[GradientReductionHandle]:
+        """Finish backward now (manual finalization): reduce what is left, reshard, write the gradients.
+
+        With ``async_op=True`` the last reduce-scatter stays in flight until the returned
+        :class:`GradientReductionHandle`'s ``wait()``.
+
+        Example:
+            >>> model.finalize_backward(async_op=True).wait()  # doctest: +SKIP
+        """
+        state = root_state_of(self._fsdp_unit)
+        state.finalize(wait=not async_op)
+        return GradientReductionHandle(state) if async_op else None
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Gradients become the sum over data-parallel ranks divided by ``factor`` (default: their mean).
@@ -207,6 +232,19 @@ class FSDPModule:
         self._fsdp_unit.reshard()
 
 
+def share_comm_ctx(modules: List[FSDPModule]) -> None:
+    """Let several FSDP roots share one communication context (pipeline stages).
+
+    shardprop's units always share one: collectives run on the current stream and at
+    most one reduce-scatter is in flight across every root, which is what sharing
+    gives torch's. This checks the modules and changes nothing else.
+
+    Example:
+        >>> share_comm_ctx([stage0, stage1])  # doctest: +SKIP
+    """
+    _units_of(modules, "share_comm_ctx")
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` gather and reshard like ``forward`` (a no-op on a plain module).
 
@@ -229,4 +267,4 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped.__get__(module, type(module)))
 
 
-__all__ = ["FSDPModule", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
