@@ -91,6 +91,11 @@ def root_state_of(unit: FSDPUnit) -> RootState:
     return unit._root_state
 
 
+def state_for(unit: FSDPUnit) -> RootState:
+    """The root state ``unit`` last ran under (its own if it has not run yet)."""
+    return unit._owner_state if unit._owner_state is not None else root_state_of(unit)
+
+
 def _cast_inputs(unit: FSDPUnit, args, kwargs):
     dt = unit.mp_policy.param_dtype
     if dt is None or not unit.mp_policy.cast_forward_inputs:
@@ -107,6 +112,7 @@ def pre_forward(module, args, kwargs):
         state = root_state_of(unit)
         for u in state.units:
             u.is_root = u is unit
+            u._owner_state = state
         _active_root = state
         state._recording = []
         state._post_recording = []
@@ -189,4 +195,4 @@ def reset_iteration(unit: FSDPUnit) -> None:
         u.reset()
 
 
-__all__ = ["reset_iteration", "RootState", "units_under", "root_state_of", "pre_forward", "post_forward"]
+__all__ = ["reset_iteration", "RootState", "units_under", "root_state_of", "state_for", "pre_forward", "post_forward"]

@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch.nn as nn
 
 from shardprop.parallel.fsdp_api import GradientReductionHandle, UnshardHandle
-from shardprop.parallel.fsdp_hooks import post_forward, pre_forward, reset_iteration, root_state_of, units_under
+from shardprop.parallel.fsdp_hooks import post_forward, pre_forward, reset_iteration, root_state_of, state_for, units_under
 
 
 def _targets(module, recurse: bool):
@@ -93,7 +93,7 @@ class FSDPModule:
             >>> model.set_is_last_backward(False); loss1.backward()  # doctest: +SKIP
             >>> model.set_is_last_backward(True); loss2.backward(); opt.step()  # doctest: +SKIP
         """
-        root_state_of(self._fsdp_unit).is_last_backward = is_last_backward
+        state_for(self._fsdp_unit).is_last_backward = is_last_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """With True (on the root), backward leaves its end to :meth:`finalize_backward`.
@@ -116,7 +116,7 @@ class FSDPModule:
         Example:
             >>> model.finalize_backward(async_op=True).wait()  # doctest: +SKIP
         """
-        state = root_state_of(self._fsdp_unit)
+        state = state_for(self._fsdp_unit)
         state.finalize(wait=not async_op)
         return GradientReductionHandle(state) if async_op else None
 

@@ -84,7 +84,8 @@ class FSDPUnit:
         self.forward_prefetch: Optional[List["FSDPUnit"]] = None
         self.backward_prefetch: Optional[List["FSDPUnit"]] = None
         self.is_root = False
-        self._root_state = None
+        self._root_state = None    # the RootState when this unit is a root
+        self._owner_state = None   # the RootState of the last forward this unit ran in
         self._gather = None        # the all-gather's result (an AsyncTensor while in flight) until copied out
         self._gather_from_group = False
         self._staging = None
