@@ -576,6 +576,12 @@ def _offload():
     return out
 
 
+def test_module_list_is_refused_clearly():
+    import shardprop
+    with pytest.raises(NotImplementedError, match="list of modules"):
+        shardprop.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+
 def test_cpu_offload_on_a_cpu_mesh():
     for err, loss_offload, loss_plain in run_on_ranks(4, _offload):
         assert "CPUOffloadPolicy(pin_memory=True) on a CPU mesh" in err and "pin_memory=False" in err

@@ -222,6 +222,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bo
         >>> fully_shard(model, mesh=mesh["dp"])  # doctest: +SKIP
         >>> loss = model(x_local).mean(); loss.backward(); opt.step()  # doctest: +SKIP
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard: a list of modules as one group (torch 2.15's fully_shard([a, b])) is "
+                                  "not supported; wrap a module that holds them, or each of them")
     if getattr(module, "_fsdp_unit", None) is not None:
         raise ValueError(f"fully_shard: {type(module).__name__} is already fully_shard-ed; wrap each module once")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
