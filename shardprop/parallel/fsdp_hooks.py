@@ -24,7 +24,11 @@ from shardprop.tensor.dtensor import DTensor
 
 
 def units_under(module: nn.Module) -> List[FSDPUnit]:
-    """The fully_shard units of ``module`` and its submodules, in module order."""
+    """The fully_shard units of ``module`` and its submodules, in module order.
+
+    Example:
+        >>> [u.module for u in units_under(model)]  # blocks first, the root last  # doctest: +SKIP
+    """
     return [m._fsdp_unit for m in module.modules() if getattr(m, "_fsdp_unit", None) is not None]
 
 
@@ -85,14 +89,22 @@ _active_root: Optional[RootState] = None
 
 
 def root_state_of(unit: FSDPUnit) -> RootState:
-    """The root state of a unit used as a root (made on first use)."""
+    """The root state of a unit used as a root (made on first use).
+
+    Example:
+        >>> root_state_of(model._fsdp_unit).order  # units in the last forward's order  # doctest: +SKIP
+    """
     if unit._root_state is None:
         unit._root_state = RootState(unit)
     return unit._root_state
 
 
 def state_for(unit: FSDPUnit) -> RootState:
-    """The root state ``unit`` last ran under (its own if it has not run yet)."""
+    """The root state ``unit`` last ran under (its own if it has not run yet).
+
+    Example:
+        >>> state_for(model.layers[0]._fsdp_unit).is_last_backward  # doctest: +SKIP
+    """
     return unit._owner_state if unit._owner_state is not None else root_state_of(unit)
 
 
@@ -105,7 +117,11 @@ def _cast_inputs(unit: FSDPUnit, args, kwargs):
 
 
 def pre_forward(module, args, kwargs):
-    """Forward pre-hook of a unit: gather (waiting for a prefetch), prefetch the next, swap in."""
+    """Forward pre-hook of a unit: gather (waiting for a prefetch), prefetch the next, swap in.
+
+    Example:
+        >>> module.register_forward_pre_hook(pre_forward, with_kwargs=True)  # doctest: +SKIP
+    """
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
     if _active_root is None:  # the outermost unit of this forward is the root
@@ -128,7 +144,11 @@ def pre_forward(module, args, kwargs):
 
 
 def post_forward(module, args, kwargs, output):
-    """Forward hook of a unit: swap the sharded parameters back, reshard, arm the backward hook."""
+    """Forward hook of a unit: swap the sharded parameters back, reshard, arm the backward hook.
+
+    Example:
+        >>> module.register_forward_hook(post_forward, with_kwargs=True)  # doctest: +SKIP
+    """
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
     state = _active_root
@@ -182,7 +202,11 @@ def _register_pre_backward(unit: FSDPUnit, state: RootState, output) -> None:
 
 
 def reset_iteration(unit: FSDPUnit) -> None:
-    """``reset_iter_state`` on the root unit: forget the iteration an exception aborted."""
+    """``reset_iter_state`` on the root unit: forget the iteration an exception aborted.
+
+    Example:
+        >>> reset_iteration(model._fsdp_unit)  # doctest: +SKIP
+    """
     global _active_root
     state = unit._root_state
     if state is None or state.root is not unit:
