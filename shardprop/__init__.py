@@ -22,7 +22,7 @@ from shardprop.mesh.collectives import CommCounter, comm_counter  # noqa: E402
 from shardprop.mesh.buffer_pool import buffer_reuse_enabled, set_buffer_reuse  # noqa: E402
 from shardprop.dispatch.random_ops import manual_seed  # noqa: E402  (also registers the random-op handlers)
 from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
-from shardprop.parallel.fully_shard import FSDPModule, fully_shard  # noqa: E402
+from shardprop.parallel.fully_shard import FSDPModule, fully_shard  # noqa: E402  (FSDPModule lives in fsdp_module)
 from shardprop.parallel.mixed_precision import MixedPrecisionPolicy  # noqa: E402
 from shardprop.parallel.optim_foreach import set_optimizer_foreach_default  # noqa: E402  (registers the optimizer hooks)
 from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading, full_state_dict, load_full_state_dict  # noqa: E402  (also attaches the DCP protocol and cross-mesh moves)
@@ -41,3 +41,9 @@ __all__ = [
     "unregister_sharding", "full_state_dict", "load_full_state_dict", "enable_full_state_dict_loading",
     "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "set_optimizer_foreach_default",
 ]
+
+# FSDP2's remaining public names (torch.distributed.fsdp), beside fully_shard / FSDPModule / MixedPrecisionPolicy.
+from shardprop.parallel.fsdp_api import CPUOffloadPolicy, GradientReductionHandle, OffloadPolicy, UnshardHandle  # noqa: E402
+from shardprop.parallel.fsdp_module import register_fsdp_forward_method, share_comm_ctx  # noqa: E402
+__all__ += ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle", "register_fsdp_forward_method",
+            "share_comm_ctx"]

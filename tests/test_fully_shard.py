@@ -209,13 +209,14 @@ def _memory_and_counts(reshard):
     return replicated, sharded, unit_bytes, counts
 
 
-@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("reshard", [None, True, False])
 def test_memory_and_one_collective_pair_per_unit(reshard):
     for replicated, sharded, unit_bytes, counts in run_on_ranks(4, _memory_and_counts, reshard):
         assert sharded <= replicated / 4 + unit_bytes, (replicated, sharded, unit_bytes)
-        # 4 units (3 blocks + root): one all-gather and one reduce-scatter each, nothing else; blocks resharded
-        # after forward are gathered again for backward (as torch's fully_shard does; the root never is).
-        gathers = 4 + (3 if reshard else 0)
+        # 4 units (3 blocks + root): one all-gather and one reduce-scatter each, nothing else; units resharded
+        # after forward are gathered again for backward. As torch's fully_shard: None reshards all but the
+        # root (needed first thing in backward), an explicit True reshards the root too.
+        gathers = 4 + {None: 3, True: 4, False: 0}[reshard]
         for c in counts:
             assert {k: n for k, (n, _) in c.items()} == {"all_gather": gathers, "reduce_scatter": 4}, c
 

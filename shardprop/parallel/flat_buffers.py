@@ -103,7 +103,7 @@ class UnitBuffers:
     """
 
     def __init__(self, slots: List[ParamSlot], param_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device) -> None:
+                 reduce_dtype: torch.dtype, device, shard_device=None, pin_memory: bool = False) -> None:
         self.slots = slots
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
@@ -113,7 +113,8 @@ class UnitBuffers:
             off += s.slot_numel
             full += s.region_numel if s.dim == 0 else math.prod(s.full_shape)
         self.shard_numel, self.full_numel = off, full
-        self.shard = torch.zeros(off, dtype=param_dtype, device=device)
+        # The shard buffer lives on ``shard_device`` (the host, with CPUOffloadPolicy), the rest on ``device``.
+        self.shard = torch.zeros(off, dtype=param_dtype, device=shard_device or device, pin_memory=pin_memory)
         # Allocated until fully_shard has made the full views (set_ checks bounds), then freed.
         self.full = torch.empty(full, dtype=compute_dtype, device=device)
         self.full_nbytes = full * self.full.element_size()

@@ -61,24 +61,43 @@ class FSDPUnit:
     """
 
     def __init__(self, module: torch.nn.Module, slots: List[ParamSlot], buffers: Optional[UnitBuffers], dp_mesh,
-                 reshard_after_forward: bool, mp_policy) -> None:
+                 reshard_after_forward, mp_policy, *, replicate_mesh=None, post_forward_mesh=None,
+                 auto_reshard: bool = False, offload: bool = False) -> None:
         self.module = module
         self.slots = slots
         self.buffers = buffers
-        self.dp_mesh = dp_mesh
-        self.reshard_after_forward = reshard_after_forward
+        self.dp_mesh = dp_mesh                  # the shard group: all-gather and reduce-scatter
+        self.replicate_mesh = replicate_mesh    # HSDP: gradients all-reduced over it after the reduce-scatter
+        self.post_forward_mesh = post_forward_mesh  # reshard_after_forward=<int>: the smaller group
+        self.reshard_after_forward = reshard_after_forward  # True, False or the smaller group's size
+        self.auto_reshard = auto_reshard        # reshard_after_forward=None: the root keeps its parameters
         self.mp_policy = mp_policy
+        self.offload = offload                  # shards and gradient shards live in host memory
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.reshard_after_backward = True
+        self.gradient_divide_factor: Optional[float] = None
+        self.force_sum_reduction = False
+        self.unshard_in_backward = True
+        self.keep_unsharded_storage = False
+        self.all_reduce_hook = None              # called on the reduced gradient shards before ``.grad``
+        self.forward_prefetch: Optional[List["FSDPUnit"]] = None
+        self.backward_prefetch: Optional[List["FSDPUnit"]] = None
         self.is_root = False
+        self._root_state = None    # the RootState when this unit is a root
+        self._owner_state = None   # the RootState of the last forward this unit ran in
         self._gather = None        # the all-gather's result (an AsyncTensor while in flight) until copied out
+        self._gather_from_group = False
         self._staging = None
         self._gather_input = None  # keeps the (cast) input alive until the gather finishes
         self._unsharded = False
+        self._group_piece = None   # after forward with an int reshard_after_forward: this rank's piece
         self._grad_pending = 0
-        self._reduce = None        # (AsyncTensor of the gradient shard buffer, inputs kept alive)
+        self._reduce = None        # (AsyncTensor of the gradient shard buffer, inputs kept alive, all-reduce?, factor)
+        self._partial = None       # HSDP without all-reduce: reduce-scattered gradients summed so far
         self.ran_forward = False
         self.backward_started = False
-        self._into_views = gather_into_views(dp_mesh)
+        self._into_views = gather_into_views(dp_mesh) and not offload
         self._async_gather = async_gather(dp_mesh)
         for s in slots:
             if s.requires_grad:
@@ -89,13 +108,23 @@ class FSDPUnit:
         """Start the all-gather of every shard into the full buffer (no-op if under way or done).
 
         When gathers are synchronous (see ASYNC_GATHER) it also finishes it: the gathered
-        data waits in the flat result until :meth:`wait_unsharded` copies it out.
+        data waits in the flat result until :meth:`wait_unsharded` copies it out. After
+        :meth:`reshard_to_group` it gathers the kept pieces within the smaller group.
         """
         if self.buffers is None or self._unsharded or self._gather is not None:
             return
         b = self.buffers
+        if self._group_piece is not None:
+            self._gather_from_group = True
+            self._gather_input = self._group_piece
+            self._gather = C.all_gather(self._group_piece, self.post_forward_mesh, 0, async_op=self._async_gather)
+            return
         self._resync_shards()
-        shard = b.shard if b.shard.dtype == b.compute_dtype else b.shard.to(b.compute_dtype)
+        shard = b.shard
+        if shard.device != b.full.device:  # offloaded: host to device first
+            shard = shard.to(b.full.device, non_blocking=True)
+        if shard.dtype != b.compute_dtype:
+            shard = shard.to(b.compute_dtype)
         self._gather_input = shard if self._async_gather else None
         with torch.no_grad():
             if not self._into_views:  # the shard buffer is already flat: gather it as it is
@@ -103,7 +132,7 @@ class FSDPUnit:
                 return  # the full buffer is allocated when the data arrives: one less buffer in flight
             b.alloc_full()
             n = b.staging_numel()
-            self._staging = torch.empty(n, dtype=b.compute_dtype, device=b.shard.device) if n else None
+            self._staging = torch.empty(n, dtype=b.compute_dtype, device=b.full.device) if n else None
             outs, ins = b.gather_args(shard, self._staging)
             self._gather = C.all_gather_into_views(outs, ins, b.full, self.dp_mesh, 0, async_op=self._async_gather)
 
@@ -114,12 +143,17 @@ class FSDPUnit:
         self.unshard()
         gathered = wait_all(self._gather)
         with torch.no_grad():
-            if not self._into_views:
+            if self._gather_from_group:  # the flat full buffer, cut in group-size pieces
+                self.buffers.alloc_full()
+                self.buffers.full.copy_(gathered[:self.buffers.full_numel])
+                self._group_piece = None
+            elif not self._into_views:
                 self.buffers.alloc_full()
                 self.buffers.copy_out(gathered)
             elif self._staging is not None:
                 self.buffers.place_staged(self._staging)
         self._gather = self._staging = self._gather_input = None
+        self._gather_from_group = False
         self._unsharded = True
 
     def reshard(self) -> None:
@@ -128,8 +162,44 @@ class FSDPUnit:
             return
         if self._gather is not None:  # a prefetch nobody used: finish it so the ranks stay in step
             self.wait_unsharded()
-        self.buffers.free_full()
+        if not self.keep_unsharded_storage:  # kept: the next gather writes into the same memory
+            self.buffers.free_full()
+        self._group_piece = None
         self._unsharded = False
+
+    def reset(self) -> None:
+        """Forget an iteration an exception aborted: sharded parameters back, nothing pending, no gradients kept."""
+        global _in_flight
+        if _in_flight is self:
+            _in_flight = None
+        self._gather = self._staging = self._gather_input = None  # issued on every rank or on none: not awaited
+        self._gather_from_group = False
+        self.swap_out()
+        if self.buffers is not None:
+            self.buffers.free_full()
+        self._unsharded = False
+        self._group_piece = self._reduce = self._partial = None
+        self.backward_started = False
+        self._grad_pending = 0
+        for s in self.slots:
+            s.full_param.grad = None
+
+    def reshard_to_group(self) -> None:
+        """Keep only this rank's 1/N of the full buffer (N: the post-forward group's size), free the rest.
+
+        Backward then all-gathers within that group of N ranks instead of the whole dp group.
+        """
+        if self.buffers is None or not self._unsharded:
+            return
+        b, g = self.buffers, self.post_forward_mesh
+        n, i = g.size(), g._coord[0]
+        length = -(-b.full_numel // n)
+        lo = min(i * length, b.full_numel)
+        hi = min(lo + length, b.full_numel)
+        piece = torch.zeros(length, dtype=b.compute_dtype, device=b.full.device)
+        piece[:hi - lo].copy_(b.full[lo:hi])
+        self.reshard()
+        self._group_piece = piece
 
     def _resync_shards(self) -> None:
         """If something rebound a sharded parameter's local tensor, copy it back into its slot."""
@@ -166,9 +236,10 @@ class FSDPUnit:
 
     def post_backward(self) -> None:
         """The unit's gradients are all there: start their reduce-scatter, free the full buffer."""
-        if self.requires_gradient_sync and self._reduce is None and any(s.requires_grad for s in self.slots):
+        if self.requires_gradient_sync and any(s.requires_grad for s in self.slots):
             self._launch_reduce()
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
         self.backward_started = False
         self._grad_pending = -1  # done for this backward
 
@@ -184,46 +255,68 @@ class FSDPUnit:
 
     def _launch_reduce(self) -> None:
         global _in_flight
-        # As torch's fully_shard does: the previous unit's reduce-scatter has had this unit's
-        # backward to finish; completing it now frees its packed input before we allocate ours.
-        if _in_flight is not None and _in_flight is not self:
+        # As torch's fully_shard does: the previous reduce-scatter (another unit's, or this one's
+        # left in flight by a backward that was not the last) has had this unit's backward to
+        # finish; completing it now frees its packed input before we allocate ours.
+        if _in_flight is not None:
             _in_flight.complete_reduce()
         b = self.buffers
-        packed = torch.empty((self.dp_mesh.size(), b.shard_numel), dtype=b.reduce_dtype, device=b.shard.device)
+        packed = torch.empty((self.dp_mesh.size(), b.shard_numel), dtype=b.reduce_dtype, device=b.full.device)
+        factor = self.gradient_divide_factor
+        if factor is None and self.force_sum_reduction:  # sum, then divide by the data-parallel size
+            factor = float(self.dp_mesh.size() * (self.replicate_mesh.size() if self.replicate_mesh else 1))
         with torch.no_grad():
             for s in self.slots:
                 b.pack_gradient(s, packed, self._local_grad(s) if s.requires_grad else None)
                 s.full_param.grad = None  # the full gradient is not needed any more
-            work = C.reduce_scatter(packed.view(-1), self.dp_mesh, 0, "avg", async_op=True)
-        self._reduce = (work, packed)
+            work = C.reduce_scatter(packed.view(-1), self.dp_mesh, 0, "avg" if factor is None else "sum",
+                                    async_op=True)
+        # The flags as they are now: the completion may run during a later backward.
+        self._reduce = (work, packed, self.requires_all_reduce, factor)
         _in_flight = self
 
-    def finish_gradients(self) -> None:
-        """End of backward: reduce what never got ready, wait, write the sharded gradients into ``.grad``."""
+    def finish_gradients(self, wait: bool = True) -> None:
+        """End of backward: reduce what never got ready, reshard, and (``wait``) write the gradients into ``.grad``."""
         if self._grad_pending > 0 or self.backward_started:  # some gradient never arrived (unused parameter)
             self.post_backward()
         self.backward_started = False
         self._grad_pending = 0
-        self.reshard()
-        self.complete_reduce()
+        if self.reshard_after_backward:
+            self.reshard()
+        if wait:
+            self.complete_reduce()
 
     def complete_reduce(self) -> None:
-        """Wait for this unit's reduce-scatter (if any) and write the sharded gradients into ``.grad``."""
+        """Wait for this unit's reduce-scatter (if any), all-reduce across replicas (HSDP), write ``.grad``."""
         global _in_flight
         if _in_flight is self:
             _in_flight = None
         if self._reduce is None:
             return
-        work, _ = self._reduce
+        work, _, all_reduce, factor = self._reduce
         self._reduce = None
         gshard = wait_all(work)
         with torch.no_grad():
+            if self.replicate_mesh is not None:
+                if self._partial is not None:  # earlier backwards' reduce-scattered gradients
+                    gshard = gshard + self._partial
+                    self._partial = None
+                if not all_reduce:
+                    self._partial = gshard  # summed until a backward that all-reduces
+                    return
+                gshard = C.all_reduce(gshard, self.replicate_mesh, 0, "avg" if factor is None else "sum",
+                                      inplace=True)
+            if factor is not None:
+                gshard = gshard / factor
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(gshard)
             for s in self.slots:
                 if not s.requires_grad:
                     continue
                 local = self.buffers.slot_view(s, gshard, s.local_len)
-                if local.dtype != s.orig_dtype:
-                    local = local.to(s.orig_dtype)
+                shard_dev = s.local_view.device
+                if local.dtype != s.orig_dtype or local.device != shard_dev:
+                    local = local.to(device=shard_dev, dtype=s.orig_dtype)
                 if s.sharded.grad is None:
                     s.sharded.grad = DTensor(local, s.sharded._spec)
                 else:

@@ -17,16 +17,25 @@ dp dim splits tensor dim 0, unless tp already splits dim 0 (column-parallel
 weights): then dp splits dim 1, so the spec (``[S(1), S(0)]`` on the 2-D mesh) says
 exactly what each rank holds; a 1-d such parameter (a column-parallel bias) stays
 whole over dp (``[R, S(0)]``). No strided-shard placement is ever needed.
+
+A 2-D ``mesh`` (replicate, shard) without ``dim`` is HSDP, as in torch: parameters
+``[Replicate(), Shard(0)]``, gathered over the shard dim, gradients reduce-scattered
+over it and then all-reduced across replicas. The module hooks live in
+:mod:`shardprop.parallel.fsdp_hooks`, the run-time controls in
+:mod:`shardprop.parallel.fsdp_module`.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import warnings
+from typing import Callable, Dict, Optional, Set, Union
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from shardprop.parallel.flat_buffers import REPLICATED, ParamSlot, UnitBuffers
+from shardprop.parallel.fsdp_api import CPUOffloadPolicy, OffloadPolicy
+from shardprop.parallel.fsdp_hooks import post_forward, pre_forward
+from shardprop.parallel.fsdp_module import FSDPModule
 from shardprop.parallel.fsdp_unit import FSDPUnit
 from shardprop.parallel.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
@@ -35,175 +44,36 @@ from shardprop.tensor.placement import Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 _DEFAULT_MESHES: Dict[str, object] = {}
+_POST_FORWARD_MESHES: Dict[tuple, object] = {}
 
 
-class FSDPModule:
-    """Mixed into the class of every ``fully_shard``-ed module (FSDP2's names).
-
-    Example:
-        >>> model.set_requires_gradient_sync(False)  # accumulate without reducing  # doctest: +SKIP
-    """
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """With False, backward keeps the full gradients locally (no reduce-scatter) until a step with True.
-
-        Example:
-            >>> model.set_requires_gradient_sync(False); loss1.backward()  # doctest: +SKIP
-            >>> model.set_requires_gradient_sync(True); loss2.backward()   # reduces the sum  # doctest: +SKIP
-        """
-        for unit in _units_under(self) if recurse else [self._fsdp_unit]:
-            unit.requires_gradient_sync = requires_gradient_sync
-
-    def unshard(self) -> None:
-        """Gather this unit's parameters now (they stay gathered until :meth:`reshard`)."""
-        self._fsdp_unit.wait_unsharded()
-
-    def reshard(self) -> None:
-        """Free this unit's gathered parameters."""
-        self._fsdp_unit.reshard()
+def _slice(mesh, d: int):
+    """The 1-d sub-mesh along dim ``d`` through this rank (named or not)."""
+    from shardprop.mesh.device_mesh import DeviceMesh
+    if mesh.mesh_dim_names:
+        return mesh[mesh.mesh_dim_names[d]]
+    index = tuple(slice(None) if i == d else mesh._coord[i] for i in range(mesh.ndim))
+    return DeviceMesh(mesh.device_type, mesh.mesh[index], None, _parent=mesh)
 
 
-def _units_under(module: nn.Module) -> List[FSDPUnit]:
-    return [m._fsdp_unit for m in module.modules() if getattr(m, "_fsdp_unit", None) is not None]
-
-
-# ---------------------------------------------------------------- root state (one per forward root)
-
-
-class _RootState:
-    """Forward order, prefetching and the end-of-backward callback of a root unit."""
-
-    def __init__(self, root: FSDPUnit) -> None:
-        self.root = root
-        self.units = _units_under(root.module)
-        self.order: List[FSDPUnit] = []        # forward (pre-forward) order seen in the last iteration
-        self.post_order: List[FSDPUnit] = []   # order in which forwards ended: backward runs it in reverse
-        self._recording: List[FSDPUnit] = []
-        self._post_recording: List[FSDPUnit] = []
-        self.in_forward = False
-        self.callback_queued = False
-
-    def next_in_forward(self, unit: FSDPUnit) -> Optional[FSDPUnit]:
-        return _neighbour(self.order, unit, +1)
-
-    def next_in_backward(self, unit: FSDPUnit) -> Optional[FSDPUnit]:
-        return _neighbour(self.post_order, unit, -1)
-
-    def end_of_backward(self) -> None:
-        # Units finish in a fixed (construction) order, so every rank issues any leftover
-        # reduce-scatter in the same order.
-        for unit in self.units:
-            unit.finish_gradients()
-        self.callback_queued = False
-
-
-def _neighbour(order, unit, step):
-    try:
-        i = order.index(unit) + step
-    except ValueError:
-        return None
-    return order[i] if 0 <= i < len(order) else None
-
-
-_active_root: Optional[_RootState] = None
-
-
-# ---------------------------------------------------------------- hooks
-
-
-def _cast_inputs(unit: FSDPUnit, args, kwargs):
-    dt = unit.mp_policy.param_dtype
-    if dt is None or not unit.mp_policy.cast_forward_inputs:
-        return args, kwargs
-    cast = lambda t: t.to(dt) if t.is_floating_point() and not isinstance(t, DTensor) else t  # noqa: E731
-    return tree_map_only(torch.Tensor, cast, (args, kwargs))
-
-
-def _pre_forward(module, args, kwargs):
-    global _active_root
-    unit: FSDPUnit = module._fsdp_unit
-    if _active_root is None:  # the outermost unit of this forward is the root
-        if unit._root_state is None:
-            unit._root_state = _RootState(unit)
-            for u in unit._root_state.units:
-                u.is_root = u is unit
-        _active_root = unit._root_state
-        _active_root._recording = []
-        _active_root._post_recording = []
-        _active_root.in_forward = True
-    state = _active_root
-    state._recording.append(unit)
-    unit.wait_unsharded()
-    nxt = state.next_in_forward(unit)
-    if nxt is not None:
-        nxt.unshard()  # prefetch: overlaps this unit's forward
-    unit.swap_in()
-    unit.ran_forward = True
-    return _cast_inputs(unit, args, kwargs)
-
-
-def _post_forward(module, args, kwargs, output):
-    global _active_root
-    unit: FSDPUnit = module._fsdp_unit
-    state = _active_root
-    unit.swap_out()
-    grad = torch.is_grad_enabled()
-    is_root = state is not None and state.root is unit
-    # The root's parameters are needed again first thing in backward: it keeps them.
-    if (unit.reshard_after_forward and not is_root) or not grad:
-        unit.reshard()
-    if state is not None:
-        state._post_recording.append(unit)
-    if is_root:
-        state.order, state.post_order = state._recording, state._post_recording
-        state.in_forward = False
-        _active_root = None
-    if grad:
-        _register_pre_backward(unit, state, output)
-    dt = unit.mp_policy.output_dtype
-    if dt is not None:
-        output = tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, output)
-    return output
-
-
-def _register_pre_backward(unit: FSDPUnit, state: _RootState, output) -> None:
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not tensors:
-        return
-    fired = [False]
-
-    def hook(grad):
-        if fired[0]:
-            return grad
-        fired[0] = True
-        if not state.callback_queued:
-            state.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(state.end_of_backward)
-        unit.wait_unsharded()
-        unit.start_backward()
-        prev = state.next_in_backward(unit)
-        if prev is not None:
-            prev.unshard()  # prefetch: overlaps this unit's backward
-        return grad
-
-    for t in tensors:
-        t.register_hook(hook)
-
-
-# ---------------------------------------------------------------- construction
-
-
-def _resolve_dp_mesh(mesh, dim, device_type: str):
+def _resolve_meshes(mesh, dim, device_type: str):
+    """(mesh of the parameters' specs, shard mesh, replicate mesh or None) for ``fully_shard(mesh=, dim=)``."""
     from shardprop.mesh.device_mesh import DeviceMesh
     import torch.distributed as dist
     if mesh is None:  # one dp dim over every rank, built once per device type
         if device_type not in _DEFAULT_MESHES:
             _DEFAULT_MESHES[device_type] = DeviceMesh(device_type, torch.arange(dist.get_world_size()), ("dp",))
-        return _DEFAULT_MESHES[device_type]
+        mesh = _DEFAULT_MESHES[device_type]
+        return mesh, mesh, None
     if dim is None:
         if mesh.ndim == 1:
-            return mesh
-        dim = "dp"
+            return mesh, mesh, None
+        if mesh.ndim == 2:  # HSDP, as torch: (replicate, shard)
+            if mesh._coord is None:
+                raise RuntimeError(f"fully_shard: this rank is not in the mesh {mesh}")
+            return mesh, _slice(mesh, 1), _slice(mesh, 0)
+        raise ValueError(f"fully_shard: a {mesh.ndim}-d mesh {mesh}: pass a 1-d mesh (FSDP), a 2-d "
+                         f"(replicate, shard) mesh (HSDP), or dim=<the dp dim's name>")
     if isinstance(dim, str):
         names = mesh.mesh_dim_names or ()
         if dim not in names:
@@ -212,21 +82,58 @@ def _resolve_dp_mesh(mesh, dim, device_type: str):
     elif not -mesh.ndim <= dim < mesh.ndim:
         raise ValueError(f"fully_shard: mesh dim {dim} does not exist on the {mesh.ndim}-d mesh {mesh}")
     if mesh.ndim == 1:
-        return mesh
+        return mesh, mesh, None
     if not mesh.mesh_dim_names:
         raise ValueError(f"fully_shard: name the dims of the {mesh.ndim}-d mesh {mesh} to pick the dp dim")
-    return mesh[dim if isinstance(dim, str) else mesh.mesh_dim_names[dim]]
+    sub = mesh[dim if isinstance(dim, str) else mesh.mesh_dim_names[dim]]
+    return sub, sub, None
 
 
-def _managed_params(module: nn.Module):
-    """(owner, name, fqn, param) for each parameter of ``module`` not managed by a nested unit."""
+def _normalize_reshard(raf, shard_size: int):
+    """``reshard_after_forward`` as True, False or a group size strictly between 1 and the shard size."""
+    if raf is None or isinstance(raf, bool):
+        return raf
+    if not isinstance(raf, int):
+        raise ValueError(f"fully_shard: reshard_after_forward should be a bool or an int (the group size to "
+                         f"reshard to), not {raf!r}")
+    if raf < 1 or raf > shard_size or shard_size % raf:
+        raise ValueError(f"fully_shard: reshard_after_forward={raf}: an int must divide the shard group's "
+                         f"size {shard_size}")
+    if raf == 1:
+        warnings.warn("fully_shard: reshard_after_forward=1 (int) keeps the whole parameters after forward, "
+                      "as reshard_after_forward=False (bool) does", stacklevel=3)
+        return False
+    return True if raf == shard_size else raf
+
+
+def _post_forward_mesh(shard_mesh, n: int):
+    """The group of ``n`` consecutive shard ranks through this rank (built once, on every rank)."""
+    from shardprop.mesh.device_mesh import DeviceMesh
+    root = shard_mesh
+    while root._parent is not None:
+        root = root._parent
+    key = (root, shard_mesh.mesh_dim_names, n)
+    if key not in _POST_FORWARD_MESHES:
+        if root is shard_mesh:
+            layout = shard_mesh.mesh.reshape(-1, n)
+        else:  # every group of every other coordinate too: creating groups is collective
+            at = root.mesh_dim_names.index(shard_mesh.mesh_dim_names[0]) if shard_mesh.mesh_dim_names else -1
+            if at < 0:
+                raise NotImplementedError("fully_shard: reshard_after_forward=<int> needs named mesh dims")
+            layout = root.mesh.movedim(at, -1).reshape(-1, n)
+        _POST_FORWARD_MESHES[key] = DeviceMesh(shard_mesh.device_type, layout, ("rest", "group"))["group"]
+    return _POST_FORWARD_MESHES[key]
+
+
+def _managed_params(module: nn.Module, ignored: Set[int]):
+    """(owner, name, fqn, param) for each parameter of ``module`` not managed by a nested unit nor ignored."""
     out, seen = [], set()
 
     def visit(m, prefix):
         if m is not module and getattr(m, "_fsdp_unit", None) is not None:
             return
         for name, p in m._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             if id(p) in seen:
                 raise NotImplementedError(f"fully_shard: parameter {prefix + name!r} is shared (tied) with another "
@@ -239,6 +146,22 @@ def _managed_params(module: nn.Module):
 
     visit(module, "")
     return out
+
+
+def _placement_dim(fn, fqn: str, p, D: int) -> int:
+    """The dim ``shard_placement_fn`` picks for a plain parameter (0 when it returns None)."""
+    pl = fn(p) if fn is not None else None
+    if pl is None:
+        return 0
+    if type(pl) is not Shard:
+        raise ValueError(f"fully_shard: shard_placement_fn returned {pl!r} for {fqn!r}; expected Shard(dim) or None")
+    d = pl.dim + p.ndim if pl.dim < 0 else pl.dim
+    if not 0 <= d < p.ndim:
+        raise ValueError(f"fully_shard: shard_placement_fn returned {pl!r} for the {p.ndim}-d parameter {fqn!r}")
+    if d and p.shape[d] % D:  # as torch: a dim other than 0 must split evenly
+        raise NotImplementedError(f"fully_shard: parameter {fqn!r} sharded on dim {d}: its size {p.shape[d]} "
+                                  f"must divide by the shard group's size {D}")
+    return d
 
 
 def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
@@ -267,15 +190,31 @@ def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
     return parent, parent.mesh_dim_names.index(dp_name), tp_pl, dim
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), dim=None) -> nn.Module:
+def _compute_device(mesh, offload: bool, first):
+    """Where the full parameters live: the parameters' device, or the mesh's accelerator when offloading."""
+    if not offload or mesh.device_type == "cpu":
+        return first.device
+    accel = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, accel.current_device())
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bool, int, None] = None,
+                shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: Optional[Set[nn.Parameter]] = None, dim=None) -> nn.Module:
     """Shard ``module``'s parameters over the dp mesh dim; gather them around its forward and backward.
 
     Apply it to each block first, then to the root (a unit owns the parameters not
     owned by a nested unit). Every rank must build the model identically (same
-    initial values): each keeps its own piece. ``mesh`` is a 1-d dp mesh (or a mesh
-    with a ``dim`` named ``"dp"``); the default is one dim over all ranks. After
-    backward, ``param.grad`` holds the dp-averaged gradient's shard.
+    initial values): each keeps its own piece. ``mesh``: a 1-d dp mesh (FSDP), a 2-d
+    (replicate, shard) mesh (HSDP), or any mesh with ``dim`` naming its dp dim; the
+    default is one dim over all ranks. ``reshard_after_forward``: True frees the
+    gathered parameters after forward, False keeps them, an int N keeps a 1/N piece
+    and re-gathers within groups of N ranks in backward, None is True except for
+    the root. ``shard_placement_fn(param)`` may return ``Shard(d)`` to split another
+    dim. ``ignored_params`` stay as they are (not sharded, gradients not reduced).
+    After backward, ``param.grad`` holds the dp-averaged gradient's shard.
 
     Example:
         >>> for block in model.layers:  # doctest: +SKIP
@@ -283,25 +222,45 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         >>> fully_shard(model, mesh=mesh["dp"])  # doctest: +SKIP
         >>> loss = model(x_local).mean(); loss.backward(); opt.step()  # doctest: +SKIP
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard: a list of modules as one group (torch 2.15's fully_shard([a, b])) is "
+                                  "not supported; wrap a module that holds them, or each of them")
     if getattr(module, "_fsdp_unit", None) is not None:
         raise ValueError(f"fully_shard: {type(module).__name__} is already fully_shard-ed; wrap each module once")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     first = next(module.parameters(), None)
-    dp_mesh = _resolve_dp_mesh(mesh, dim, first.device.type if first is not None else "cpu")
+    spec_mesh, dp_mesh, rep_mesh = _resolve_meshes(mesh, dim, first.device.type if first is not None else "cpu")
     if dp_mesh._coord is None:
         raise RuntimeError(f"fully_shard: this rank is not in the dp mesh {dp_mesh}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    pin = offload and offload_policy.pin_memory
+    if pin and dp_mesh.device_type == "cpu":
+        raise RuntimeError("fully_shard: CPUOffloadPolicy(pin_memory=True) on a CPU mesh: pinning host memory "
+                           "needs an accelerator, and on a CPU mesh the parameters already live in host memory; "
+                           "pass CPUOffloadPolicy(pin_memory=False) (a no-op there) or no offload_policy")
     D, me = dp_mesh.size(), dp_mesh._coord[0]
-    params = _managed_params(module)
+    raf = _normalize_reshard(reshard_after_forward, D)
+    pf_mesh = _post_forward_mesh(dp_mesh, raf) if not isinstance(raf, bool) and raf is not None else None
+    ignored = {id(p) for p in (ignored_params or ())}
+    params = _managed_params(module, ignored)
     meshes = {p._spec.mesh for *_, p in params if isinstance(p, DTensor)}
     if len(meshes) > 1:
         raise ValueError(f"fully_shard: the parameters of {type(module).__name__} live on different meshes "
                          f"{sorted(map(repr, meshes))}; one unit's parameters must share one mesh")
+    if meshes and rep_mesh is not None:
+        raise NotImplementedError("fully_shard: HSDP (a 2-d mesh) over DTensor (tensor-parallel) parameters; "
+                                  "pass the dp dim's mesh, e.g. mesh=mesh['dp']")
     slots, sources, specs = [], [], []
     for m, name, fqn, p in params:
         if p.ndim == 0:
             raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
         if isinstance(p, DTensor):
+            if shard_placement_fn is not None and shard_placement_fn(p) is not None:
+                raise NotImplementedError(f"fully_shard: shard_placement_fn on the DTensor parameter {fqn!r}: "
+                                          f"beside tensor parallelism the dp dim's tensor dim is fixed")
             parent, dp_at, tp_pl, sdim = _two_d_layout(fqn, p, dp_mesh)
             local = p._local_tensor.detach()
             if sdim > 0 and local.shape[sdim] % D:
@@ -312,8 +271,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
             spec = make_spec(parent, placements, p.shape, dtype=p.dtype)
             tp_spec = p._spec
         else:
-            local, sdim, tp_spec = p.detach(), 0, None
-            spec = make_spec(dp_mesh, [Shard(0)], p.shape, dtype=p.dtype)
+            local, tp_spec = p.detach(), None
+            sdim = _placement_dim(shard_placement_fn, fqn, p, D)
+            placements = [Shard(sdim)] if rep_mesh is None else [Replicate(), Shard(sdim)]
+            spec = make_spec(spec_mesh, placements, p.shape, dtype=p.dtype)
         slots.append(ParamSlot(m, name, fqn, None, local.shape, sdim, D, me, p.dtype, p.requires_grad,
                                tp_spec=tp_spec))
         sources.append(local)
@@ -321,11 +282,16 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     dtypes = {s.orig_dtype for s in slots}
     if len(dtypes) > 1:
         raise NotImplementedError(f"fully_shard: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
+    compute = {mp_policy.param_compute_dtype(p) for *_, p in params}
+    if len(compute) > 1:  # one flat gather per unit: one dtype
+        raise NotImplementedError(f"fully_shard: param_dtype_override_fn gives the parameters of one unit several "
+                                  f"compute dtypes {sorted(map(str, compute))}; shard them as separate units")
     buffers = None
     if slots:
         orig = slots[0].orig_dtype
-        device = sources[0].device
-        buffers = UnitBuffers(slots, orig, mp_policy.compute_dtype(orig), mp_policy.grad_reduce_dtype(orig), device)
+        device = _compute_device(dp_mesh, offload, sources[0])
+        buffers = UnitBuffers(slots, orig, compute.pop(), mp_policy.grad_reduce_dtype(orig), device,
+                              shard_device=torch.device("cpu") if offload else None, pin_memory=pin)
         with torch.no_grad():
             for s, src, spec in zip(slots, sources, specs):
                 if s.dim == REPLICATED:
@@ -347,11 +313,11 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
                     s.full_param = nn.Parameter(full, requires_grad=s.requires_grad)
                 s.module._parameters[s.name] = s.sharded
         buffers.free_full()
-    unit = FSDPUnit(module, slots, buffers, dp_mesh, reshard_after_forward, mp_policy)
-    unit._root_state = None
+    unit = FSDPUnit(module, slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
+                    replicate_mesh=rep_mesh, post_forward_mesh=pf_mesh, auto_reshard=raf is None, offload=offload)
     module._fsdp_unit = unit
     cls = module.__class__
     module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    module.register_forward_hook(_post_forward, with_kwargs=True)
+    module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    module.register_forward_hook(post_forward, with_kwargs=True)
     return module
