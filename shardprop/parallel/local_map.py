@@ -21,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardprop.tensor.dtensor import DTensor
-from shardprop.tensor.placement import normalize_placements
+from shardprop.tensor.placement import Shard
 
 
 def local_map(func: Optional[Callable] = None, out_placements=None, in_placements=None, in_grad_placements=None,
@@ -55,11 +55,25 @@ def _name(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
+def _normalized(func, what: str, idx: int, spec, arg) -> tuple:
+    """``spec`` with negative Shard dims made non-negative; checked against the mesh.
+
+    Written out rather than ``normalize_placements``: torch.compile traces this, and dynamo cannot
+    read a mesh's attributes (it holds the mesh as an opaque value): the mesh's ndim is the
+    number of the argument's placements.
+    """
+    spec = tuple(spec)
+    ndim = len(arg.placements)
+    if len(spec) != ndim:
+        raise ValueError(f"local_map({_name(func)}): {what}[{idx}] has {len(spec)} placements {list(spec)} "
+                         f"for a {ndim}-d mesh")
+    return tuple(Shard(p.dim + arg.ndim) if type(p) is Shard and p.dim < 0 else p for p in spec)
+
+
 def _local_input(func, idx, arg, spec, grad_spec, redistribute_inputs):
     """The local shard of DTensor argument ``idx`` after its placements are checked (or moved)."""
-    mesh = arg.device_mesh
     if spec is not None:
-        want = normalize_placements(spec, arg.ndim, mesh.ndim, f"local_map({_name(func)}) in_placements[{idx}]")
+        want = _normalized(func, "in_placements", idx, spec, arg)
         if arg.placements != want:
             if not redistribute_inputs:
                 raise ValueError(
@@ -67,8 +81,7 @@ def _local_input(func, idx, arg, spec, grad_spec, redistribute_inputs):
                     f"in_placements[{idx}] is {list(want)}; pass redistribute_inputs=True to redistribute it")
             arg = arg.redistribute(placements=want)
     if grad_spec is not None:
-        grad_spec = normalize_placements(grad_spec, arg.ndim, mesh.ndim,
-                                         f"local_map({_name(func)}) in_grad_placements[{idx}]")
+        grad_spec = _normalized(func, "in_grad_placements", idx, grad_spec, arg)
     return arg.to_local(grad_placements=grad_spec)
 
 
