@@ -165,6 +165,16 @@ def _random_exact():
             ref_outcome = ref_outcome or "works"
         except AssertionError:
             ref_outcome = "AssertionError"
+    # Big enough for several pieces of the default size on every rank (uneven: 301 rows over 4).
+    mesh = _meshes()[0][0]
+    for fn, plain in (("rand", torch.rand), ("randn", torch.randn)):
+        for names in (("S0",), ("S1",)):
+            torch.manual_seed(99)
+            x = getattr(sp, fn)(301, 70, device_mesh=mesh, placements=_pl(names, sp))
+            after = torch.randn(3)
+            torch.manual_seed(99)
+            if not torch.equal(x.full_tensor(), plain(301, 70)) or not torch.equal(after, torch.randn(3)):
+                errors.append(f"{fn}(301, 70) {names}: not one device's draw")
     # Partial: the value is the factory's, as distribute_tensor makes it (index 0 holds it for sum).
     mesh = _meshes()[0][0]
     torch.manual_seed(5)
