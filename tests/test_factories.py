@@ -234,3 +234,22 @@ def test_factory_errors_name_the_factory():
         sp.zeros(2, 3)
     with pytest.raises(TypeError, match="shape of ints"):
         sp.ones("a", device_mesh=object())
+
+
+def test_draw_shard_never_allocates_the_full_tensor(monkeypatch):
+    from shardprop.tensor import random_shards as R
+    sizes, real_empty = [], torch.empty
+
+    def counting_empty(*a, **k):
+        t = real_empty(*a, **k)
+        sizes.append(t.numel())
+        return t
+
+    monkeypatch.setattr(R.torch, "empty", counting_empty)
+    for kind in ("uniform", "normal"):
+        sizes.clear()
+        torch.manual_seed(0)
+        got = R.draw_shard(kind, (200, 100), (50, 0), (50, 100), torch.float32, torch.device("cpu"))
+        assert sizes and max(sizes) <= 5000 + 32, sizes  # the shard and one buffer of about its size
+        torch.manual_seed(0)
+        assert torch.equal(got, (torch.rand if kind == "uniform" else torch.randn)(200, 100)[50:100])
