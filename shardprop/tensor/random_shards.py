@@ -110,8 +110,8 @@ def draw_shard(kind: str, gshape: Sequence[int], off: Sequence[int], bshape: Seq
     Advances the default generator of ``device`` exactly as drawing the whole tensor would.
 
     Example:
-        >>> torch.manual_seed(0); a = draw_shard("normal", (5, 7), (1, 2), (3, 4), torch.float32, torch.device("cpu"))
-        >>> torch.manual_seed(0); torch.equal(a, torch.randn(5, 7)[1:4, 2:6])
+        >>> _ = torch.manual_seed(0); a = draw_shard("normal", (5, 7), (1, 2), (3, 4), torch.float32, torch.device("cpu"))
+        >>> _ = torch.manual_seed(0); torch.equal(a, torch.randn(5, 7)[1:4, 2:6])
         True
     """
     gshape, off, bshape = tuple(gshape), tuple(off), tuple(bshape)
