@@ -81,7 +81,8 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
             return _rebind(*args[1:])
         return super().__new__(cls)
 
-    def __init__(self, device_type: str, mesh, mesh_dim_names: Optional[Sequence[str]] = None, *, _parent=None):
+    def __init__(self, device_type: str, mesh, mesh_dim_names: Optional[Sequence[str]] = None, *, _parent=None,
+                 _dim_groups=None):
         if type(device_type) is str and device_type == _PICKLED:  # DeviceMesh(_PICKLED, ...) called as a constructor: __new__ rebound it
             return
         self.device_type = device_type
@@ -101,9 +102,11 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         # dims tuple -> (group, ranks of my group in mesh order); None where this rank is absent.
         self._groups: Dict[Tuple[int, ...], Tuple[Optional[dist.ProcessGroup], List[int]]] = {}
         backend = _groups.backend_for(device_type)
-        if _parent is None and backend == "gloo":  # collective, like creating the groups below
+        if _dim_groups is not None:  # from_group: the caller's groups, nothing created (not collective)
+            self._adopt(_dim_groups, backend)
+        elif _parent is None and backend == "gloo":  # collective, like creating the groups below
             shm_transport.attach()
-        for dims in _combos(self.mesh.ndim):
+        for dims in (() if _dim_groups is not None else _combos(self.mesh.ndim)):
             lists = _rank_lists(self.mesh, dims)
             if _parent is None:
                 group = _groups.create_groups(lists, backend)
@@ -115,6 +118,73 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
             self._groups[dims] = (group, mine)
         self._graph_key = next(_next_key)  # registered once built: a failed mesh is never found
         _by_key[self._graph_key] = self
+
+    def _adopt(self, groups, backend: str) -> None:
+        """Take one given process group per mesh dim (see :meth:`from_group`); checks each one's ranks."""
+        me = dist.get_rank()
+        if self._coord is None:
+            raise ValueError(f"DeviceMesh.from_group: this rank ({me}) is not in the mesh {self.mesh.tolist()}")
+        for d, group in enumerate(groups):
+            mine = next(r for r in _rank_lists(self.mesh, (d,)) if me in r)
+            if not isinstance(group, dist.ProcessGroup):
+                raise ValueError(f"DeviceMesh.from_group: group {d} is {group!r}, not a ProcessGroup this rank belongs "
+                                 f"to (this rank's ranks along mesh dim {d} are {mine})")
+            ranks = dist.get_process_group_ranks(group)
+            if sorted(ranks) != mine:
+                raise ValueError(f"DeviceMesh.from_group: group {d} has ranks {ranks}, but along mesh dim {d} of "
+                                 f"{self.mesh.tolist()} this rank's ranks are {mine}")
+            self._groups[(d,)] = (group, mine)
+        if self.ndim > 1:  # the group over every dim (from_local checks, p2p): one that exists, or none
+            flat = list(self._flat)
+            if sorted(flat) == list(range(dist.get_world_size())):
+                self._groups[tuple(range(self.ndim))] = (dist.group.WORLD, flat)
+            elif (backend, tuple(sorted(flat))) in _groups._group_cache:
+                self._groups[tuple(range(self.ndim))] = (_groups._group_cache[(backend, tuple(sorted(flat)))], flat)
+
+    @staticmethod
+    def from_group(group, device_type: str, mesh=None, *, mesh_dim_names: Optional[Sequence[str]] = None) -> "DeviceMesh":
+        """A mesh over existing process groups, as ``torch.distributed.device_mesh.DeviceMesh.from_group``.
+
+        One group gives a 1-d mesh over its ranks (``mesh``, if given, must list them). A list of
+        groups gives an n-d mesh: ``mesh`` (the global ranks, n-d) and ``mesh_dim_names`` are then
+        required, and group ``d`` must be this rank's group along mesh dim ``d``. No group is
+        created and nothing is communicated, so only the ranks of the mesh need call it. For
+        n-d meshes the group over all dims is the default group when the mesh spans the world
+        (or one made earlier over those ranks); otherwise there is none, and what needs it
+        (``from_local(run_check=True)``, fused multi-dim collectives) raises or steps aside.
+
+        Example:
+            >>> tp = dist.new_group([0, 1]); dp = dist.new_group([0, 2])  # and the others' groups  # doctest: +SKIP
+            >>> m = DeviceMesh.from_group([dp, tp], "cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))  # doctest: +SKIP
+        """
+        if isinstance(group, dist.ProcessGroup):
+            ranks = dist.get_process_group_ranks(group)
+            if mesh is not None and torch.as_tensor(mesh).flatten().tolist() != ranks:
+                raise ValueError(f"DeviceMesh.from_group: mesh {torch.as_tensor(mesh).tolist()} does not list the "
+                                 f"group's ranks {ranks}")
+            return DeviceMesh(device_type, ranks, mesh_dim_names, _dim_groups=[group])
+        if not isinstance(group, (list, tuple)):
+            raise ValueError(f"DeviceMesh.from_group: expects a ProcessGroup this rank belongs to, or a list of them; "
+                             f"got {group!r}")
+        groups = list(group)
+        if not groups:
+            raise ValueError("DeviceMesh.from_group: expects at least one ProcessGroup")
+        if mesh is None or mesh_dim_names is None:
+            raise ValueError("DeviceMesh.from_group: with a list of groups, pass mesh= and mesh_dim_names=")
+        layout = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
+        if layout.ndim != len(groups):
+            raise ValueError(f"DeviceMesh.from_group: a {layout.ndim}-d mesh {layout.tolist()} for {len(groups)} "
+                             "groups; give one group per mesh dim")
+        return DeviceMesh(device_type, layout, mesh_dim_names, _dim_groups=groups)
+
+    def get_all_groups(self) -> List[dist.ProcessGroup]:
+        """The process group of each mesh dim, in order.
+
+        Example:
+            >>> [g.size() for g in init_device_mesh("cpu", (2, 2)).get_all_groups()]  # doctest: +SKIP
+            [2, 2]
+        """
+        return [self.get_group(d) for d in range(self.ndim)]
 
     def _validate(self) -> None:
         flat = self.mesh.flatten().tolist()

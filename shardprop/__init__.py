@@ -47,3 +47,10 @@ from shardprop.parallel.fsdp_api import CPUOffloadPolicy, GradientReductionHandl
 from shardprop.parallel.fsdp_module import register_fsdp_forward_method, share_comm_ctx  # noqa: E402
 __all__ += ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle", "register_fsdp_forward_method",
             "share_comm_ctx"]
+from shardprop.tensor.factories import empty, full, linspace, logspace, ones, rand, randn, zeros  # noqa: E402
+__all__ += ["zeros", "ones", "empty", "full", "rand", "randn", "linspace", "logspace"]
+from shardprop.parallel.local_map import local_map  # noqa: E402
+from shardprop.dispatch.implicit import implicit_replication  # noqa: E402
+from shardprop.parallel.prepare_io import PrepareModuleInputOutput  # noqa: E402
+from shardprop import experimental  # noqa: E402,F401  (torch.distributed.tensor.experimental's names)
+__all__ += ["local_map", "implicit_replication", "PrepareModuleInputOutput"]

@@ -50,6 +50,9 @@ first_call_hook = None
 # Set by shardprop.debug.explain (a tool; the engine never imports it) while a recorder or an explicit() guard is active.
 recorder = None
 explicit_mode = None
+# Set by shardprop.dispatch.implicit.implicit_replication() (a depth): plain tensors join ops as Replicate.
+# Read only after a plain tensor was found (an exception path), never on the hot path.
+implicit_replication = 0
 
 
 def register_special(op, handler) -> None:
@@ -439,7 +442,7 @@ def same_on_every_rank(t) -> bool:
         >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
         (True, False)
     """
-    if not (t.is_floating_point() or t.is_complex()) or not bool(t.any()):
+    if implicit_replication or not (t.is_floating_point() or t.is_complex()) or not bool(t.any()):
         return True
     return torch._C._current_graph_task_id() != -1 and bool((t == 1).all())  # in a backward formula
 
