@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 -m shardprop.demo
     python -m shardprop.demo --compile     # the same training under torch.compile (inductor)
     python -m shardprop.demo --tour        # the older tour: one tensor through every placement
+    python -m shardprop.demo --cp 4 --seq 4096 --batch 1 --steps 3     # context parallelism (ring attention)
     python -m shardprop.demo --steps 10 --checkpoint ckpt              # save at the end (DCP)
     python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
 
@@ -266,7 +267,11 @@ def _run(args) -> None:
         shape = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else (dist.get_world_size(),)
         tour(shape)
         return
-    summary = rank_main(args)
+    if getattr(args, "cp", None):
+        from shardprop.demo.cp_train import cp_main
+        summary = cp_main(args, config_from, compare, RTOL)
+    else:
+        summary = rank_main(args)
     if summary["ok"] is False:
         raise SystemExit(1)
 
@@ -301,6 +306,8 @@ def parser() -> argparse.ArgumentParser:
                    help="load model and optimizer from DIR (saved with any --mesh) and continue up to --steps")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="train under torch.compile (backend: inductor, or e.g. aot_eager)")
+    p.add_argument("--cp", type=int, default=None, metavar="N",
+                   help="context parallelism over N ranks (ring attention; see shardprop.demo.cp_train)")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
     return p
 
@@ -316,10 +323,10 @@ def main(argv=None) -> None:
             if own_group and dist.is_initialized():
                 dist.destroy_process_group()
         return
-    nproc = args.nproc
+    nproc = args.nproc if args.nproc is not None or not args.cp else args.cp
     if nproc is None:
         nproc = min(4, torch.cuda.device_count()) if _device_type() == "cuda" else 4
-    if not args.tour:
+    if not args.tour and not args.cp:
         parse_mesh(args.mesh, nproc)  # a bad --mesh fails here, not in every spawned rank
     import torch.multiprocessing as mp
     mp.spawn(_worker, args=(nproc, _free_port(), args), nprocs=nproc)
