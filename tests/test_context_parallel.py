@@ -220,3 +220,31 @@ def test_demo_cp_flag_matches_one_process():
     assert len(results[0]["losses"]) == 2
     for r in results[1:]:
         assert r["losses"] == pytest.approx(results[0]["losses"], rel=1e-6)
+
+
+def _cp_fsdp_case(seq):
+    """fully_shard over the cp ranks (they hold one batch's sequence parts): its gradient average is CP's."""
+    import shardprop
+    from shardprop.demo.model import Llama, LlamaConfig, cp_buffers, lm_loss, synthetic_batch
+    mesh = _cp_mesh()
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256, seq_len=seq, sdpa=True)
+    ref_model = Llama(cfg, seed=0)
+    tokens, targets = synthetic_batch(cfg, batch=2, step=0, seed=0)
+    ref_loss = lm_loss(ref_model(tokens), targets)
+    ref_loss.backward()
+    model = Llama(cfg, seed=0)
+    for block in model.layers:
+        shardprop.fully_shard(block, mesh=mesh)
+    shardprop.fully_shard(model, mesh=mesh)
+    buffers, dims = cp_buffers(model, tokens, targets)
+    with shardprop.context_parallel(mesh, buffers=buffers, buffer_seq_dims=dims, no_restore_buffers={tokens, targets}):
+        assert tuple(tokens.shape) == (2, seq // 4)
+        lm_loss(model(tokens), targets).backward()
+    ref = dict(ref_model.named_parameters())
+    return {n: _rel(p.grad.full_tensor(), ref[n].grad) for n, p in model.named_parameters()}
+
+
+def test_cp_with_fully_shard_matches_one_process():
+    for err in run_on_ranks(4, _cp_fsdp_case, 128, timeout=180):
+        worst = max(err.items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-5, worst
