@@ -113,6 +113,17 @@ def _sdpa_in_context():
             h = x.transpose(1, 2)
             F.scaled_dot_product_attention(h, h, h, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     seen["restored_after_refusal"] = torch.equal(x, keep)
+    from shardprop.parallel.ring_attention import set_rotate_method
+    notes = []
+    for forced in ("auto", "ring"):
+        old = set_rotate_method(forced)
+        try:
+            with shardprop.context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]), shardprop.explain() as ex:
+                attend(x)
+        finally:
+            set_rotate_method(old)
+        notes.append(str(ex).splitlines()[-1])
+    seen["notes"] = notes
     seen["rank"] = rank
     return seen
 
@@ -126,6 +137,9 @@ def test_context_parallel_sdpa_and_buffers():
         assert seen["restored"] and seen["restored_after_error"] and seen["restored_after_refusal"]
         assert seen["pos_after"] == (8,)  # no_restore_buffers stay sharded
         assert seen["other_thread_err"] < 1e-12 and seen["after_err"] < 1e-12
+        # explain() names the method: a short sequence all-gathers K/V (the cost model), forced ring rings.
+        assert seen["notes"][0].startswith("context_parallel SDPA") and "-> allgather" in seen["notes"][0], seen["notes"]
+        assert "-> ring" in seen["notes"][1], seen["notes"]
 
 
 def _model_case(seq, dtype, n_layers=2, dim=64, heads=4):

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from shardprop.mesh import collectives, compat
-from shardprop.parallel.ring_attention import ring_attention
+from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.parallel.ring_attention import attention_method, estimate_costs, ring_attention
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Shard
 
@@ -170,13 +171,27 @@ class _ContextParallelMode(TorchFunctionMode):
         if enable_gqa and k.shape[-3] != q.shape[-3]:  # grouped-query: each key/value head serves a group
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
             v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        method = attention_method(q, k, self.mesh.size(), is_causal)
+        if _dispatch.recorder is not None and hasattr(_dispatch.recorder, "note"):  # inside explain()
+            _dispatch.recorder.note(self._describe(q, k, is_causal, method))
         res = ring_attention(q, k, v, self.mesh, is_causal=is_causal, scale=scale, balanced=self.balanced,
-                             return_lse=return_lse)
+                             method=method, return_lse=return_lse)
         if wrap:
             out = res[0] if return_lse else res
             out = DTensor.from_local(out, self.mesh, (Shard(out.dim() - 2),))
             return (out, res[1]) if return_lse else out
         return res
+
+    def _describe(self, q, k, causal: bool, method: str) -> str:
+        n = self.mesh.size()
+        b = 1
+        for d in k.shape[:-3]:
+            b *= d
+        c = estimate_costs(b, k.shape[-3], k.shape[-2], k.shape[-1], k.element_size(), n, causal)
+        layout = "head+tail" if self.balanced else "contiguous"
+        return (f"context_parallel SDPA: q {tuple(q.shape)} k {tuple(k.shape)} local, {n} ranks, {layout}"
+                f"{', causal' if causal else ''} -> {method} (cost model: ring {1e3 * c['ring']:.2f} ms, "
+                f"allgather {1e3 * c['allgather']:.2f} ms, K/V {c['kv_bytes']} B per rank)")
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         return self._ring(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
