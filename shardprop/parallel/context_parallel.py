@@ -161,6 +161,8 @@ class _ContextParallelMode(TorchFunctionMode):
                 f"the context q/k/v must be plain local tensors or DTensors Shard({t.dim() - 2}) on the cp mesh")
         return t.to_local()
 
+    # Under torch.compile the ring runs eagerly (a graph break): its messages are c10d calls on real tensors.
+    @torch.compiler.disable
     def _ring(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
         if attn_mask is not None:
             raise NotImplementedError("context_parallel: SDPA with attn_mask is not supported (use is_causal=True)")
