@@ -124,8 +124,25 @@ def _sdpa_in_context():
             set_rotate_method(old)
         notes.append(str(ex).splitlines()[-1])
     seen["notes"] = notes
+    # DTensor q/k/v Shard(seq) on the cp mesh give a DTensor of the same output; GQA's heads are shared.
+    from shardprop import DTensor, Shard
+    qg = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64)
+    kg = torch.randn(2, 2, seq, 8, generator=g, dtype=torch.float64)
+    ref_gqa = F.scaled_dot_product_attention(qg, kg, kg, is_causal=True, enable_gqa=True)
+    with shardprop.context_parallel(mesh, buffers=[qg, kg], buffer_seq_dims=[2, 2]):
+        plain = F.scaled_dot_product_attention(qg, kg, kg, is_causal=True, enable_gqa=True)
+        dq, dk = (DTensor.from_local(t, mesh, (Shard(2),)) for t in (qg, kg))
+        dt = F.scaled_dot_product_attention(dq, dk, dk, is_causal=True, enable_gqa=True)
+        seen["dtensor"] = (type(dt).__name__, tuple(dt.placements), torch.equal(dt.to_local(), plain))
+        full, = context_parallel_unshard(mesh, [plain], [2])
+    seen["gqa_err"] = _rel(full, ref_gqa)
     seen["rank"] = rank
     return seen
+
+
+def shardprop_Shard(d):
+    from shardprop import Shard
+    return Shard(d)
 
 
 def test_context_parallel_sdpa_and_buffers():
@@ -140,6 +157,8 @@ def test_context_parallel_sdpa_and_buffers():
         # explain() names the method: a short sequence all-gathers K/V (the cost model), forced ring rings.
         assert seen["notes"][0].startswith("context_parallel SDPA") and "-> allgather" in seen["notes"][0], seen["notes"]
         assert "-> ring" in seen["notes"][1], seen["notes"]
+        assert seen["dtensor"] == ("DTensor", (shardprop_Shard(2),), True), seen["dtensor"]
+        assert seen["gqa_err"] < 1e-12, seen["gqa_err"]
 
 
 def _model_case(seq, dtype, n_layers=2, dim=64, heads=4):
