@@ -28,7 +28,7 @@ from shardprop.parallel.optim_foreach import set_optimizer_foreach_default  # no
 from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading, full_state_dict, load_full_state_dict  # noqa: E402  (also attaches the DCP protocol and cross-mesh moves)
 from shardprop.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
 from shardprop.parallel import parallelize as _parallelize  # noqa: E402
-from shardprop.parallel.context_parallel import context_parallel  # noqa: E402
+from shardprop.parallel.context_parallel import context_parallel, context_parallel_unshard  # noqa: E402
 
 # A parallelized module's load_state_dict takes plain full tensors (parallel may not import checkpoint).
 _parallelize.on_distributed.append(enable_full_state_dict_loading)
@@ -42,4 +42,4 @@ __all__ = [
     "unregister_sharding", "full_state_dict", "load_full_state_dict", "enable_full_state_dict_loading",
     "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "set_optimizer_foreach_default",
 ]
-__all__ += ["context_parallel"]
+__all__ += ["context_parallel", "context_parallel_unshard"]

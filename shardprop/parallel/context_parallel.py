@@ -95,12 +95,13 @@ def context_parallel_shard(t: torch.Tensor, mesh, seq_dim: int, load_balance: bo
     return torch.cat([t.narrow(seq_dim, r * c, c), t.narrow(seq_dim, (pieces - 1 - r) * c, c)], dim=seq_dim)
 
 
+@torch.no_grad()
 def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
                              load_balance: Optional[bool] = None) -> List[torch.Tensor]:
     """The whole sequence of each context-parallel-sharded tensor (in position order), on every rank.
 
-    ``load_balance`` None: the layout :func:`context_parallel` picks for the full length.
-    Differentiable (an all-gather, then a reordering).
+    ``load_balance`` None: the layout :func:`context_parallel` picks for the full length. Not
+    differentiable (as torch's): for inspecting outputs.
 
     Example:
         >>> full, = context_parallel_unshard(mesh["cp"], [out], [2])  # doctest: +SKIP
@@ -111,27 +112,12 @@ def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Se
     for t, d in zip(buffers, seq_dims):
         d = d % t.dim()
         balanced = load_balanced(t.shape[d] * n, n) if load_balance is None else load_balance
-        g = _AllGatherSeq.apply(t, mesh, d)  # [n * local] in rank order
+        g = collectives.all_gather(t.movedim(d, 0).contiguous(), mesh, 0).movedim(0, d)  # rank order
         if balanced and n > 1:
-            c = t.shape[d] // 2
-            chunks = g.split(c, dim=d)  # rank r's head is 2r, its tail 2r+1
-            order = [chunks[2 * i] for i in range(n)] + [chunks[2 * (n - 1 - i) + 1] for i in range(n)]
-            g = torch.cat(order, dim=d)
-        out.append(g)
+            chunks = g.split(t.shape[d] // 2, dim=d)  # rank r's head is piece 2r, its tail 2r+1
+            g = torch.cat([chunks[2 * i] for i in range(n)] + [chunks[2 * (n - 1 - i) + 1] for i in range(n)], dim=d)
+        out.append(g.clone())
     return out
-
-
-class _AllGatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, mesh, d):
-        ctx.mesh, ctx.d = mesh, d
-        g = collectives.all_gather(t.movedim(d, 0).contiguous(), mesh, 0)
-        return g.movedim(0, d).clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        n, r = ctx.mesh.size(), _rank_of(ctx.mesh)
-        return grad.chunk(n, dim=ctx.d)[r].contiguous(), None, None
 
 
 class _ContextParallelMode(TorchFunctionMode):

@@ -96,7 +96,7 @@ def estimate_costs(batch: int, heads: int, seq_local: int, head_dim: int, itemsi
     except its latency. All-gather: one collective moving the same bytes, nothing hidden.
 
     Example:
-        >>> c = estimate_costs(1, 8, 128, 64, 4, 4, True); c["allgather"] < c["ring"]
+        >>> c = estimate_costs(1, 8, 16, 64, 4, 4, True); c["allgather"] < c["ring"]  # tiny blocks: latency decides
         True
     """
     kv_bytes = 2 * batch * heads * seq_local * head_dim * itemsize
@@ -114,7 +114,7 @@ def attention_method(query: torch.Tensor, key: torch.Tensor, n: int, causal: boo
     :data:`ALLGATHER_MAX_BYTES` gathered per rank always rings.
 
     Example:
-        >>> attention_method(torch.empty(1, 8, 128, 64), torch.empty(1, 8, 128, 64), 4)
+        >>> attention_method(torch.empty(1, 8, 16, 64), torch.empty(1, 8, 16, 64), 4)
         'allgather'
         >>> attention_method(torch.empty(1, 8, 8192, 64), torch.empty(1, 8, 8192, 64), 4)
         'ring'
