@@ -135,6 +135,9 @@ def _sdpa_in_context():
         dt = F.scaled_dot_product_attention(dq, dk, dk, is_causal=True, enable_gqa=True)
         seen["dtensor"] = (type(dt).__name__, tuple(dt.placements), torch.equal(dt.to_local(), plain))
         full, = context_parallel_unshard(mesh, [plain], [2])
+        q2 = qg[:, :2]  # the aten CPU kernel called directly: ring attention too, with its log-sum-exp
+        o2, l2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q2, kg, kg, 0.0, True)
+        seen["aten_flash"] = (_rel(o2, F.scaled_dot_product_attention(q2, kg, kg, is_causal=True)), tuple(l2.shape))
     seen["gqa_err"] = _rel(full, ref_gqa)
     seen["rank"] = rank
     return seen
@@ -159,6 +162,7 @@ def test_context_parallel_sdpa_and_buffers():
         assert "-> ring" in seen["notes"][1], seen["notes"]
         assert seen["dtensor"] == ("DTensor", (shardprop_Shard(2),), True), seen["dtensor"]
         assert seen["gqa_err"] < 1e-12, seen["gqa_err"]
+        assert seen["aten_flash"][0] < 1e-12 and seen["aten_flash"][1] == (2, 2, 8), seen["aten_flash"]
 
 
 def _model_case(seq, dtype, n_layers=2, dim=64, heads=4):

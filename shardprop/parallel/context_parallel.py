@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Iterator, List, Optional, Sequence, Set
 
@@ -120,6 +121,15 @@ def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Se
     return out
 
 
+def _eager(fn):
+    """``fn``, run eagerly at a graph break when torch.compile traces it (the ring's messages are c10d
+    calls on real tensors). Only once dynamo is loaded: without it nothing compiles, and shardprop
+    must not import it (``torch.compiler.disable`` does)."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    return torch.compiler.disable(fn)
+
+
 class _ContextParallelMode(TorchFunctionMode):
     """Runs SDPA as ring attention over ``mesh``; every other function unchanged."""
 
@@ -147,8 +157,6 @@ class _ContextParallelMode(TorchFunctionMode):
                 f"the context q/k/v must be plain local tensors or DTensors Shard({t.dim() - 2}) on the cp mesh")
         return t.to_local()
 
-    # Under torch.compile the ring runs eagerly (a graph break): its messages are c10d calls on real tensors.
-    @torch.compiler.disable
     def _ring(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
         if attn_mask is not None:
             raise NotImplementedError("context_parallel: SDPA with attn_mask is not supported (use is_causal=True)")
@@ -182,10 +190,10 @@ class _ContextParallelMode(TorchFunctionMode):
                 f"allgather {1e3 * c['allgather']:.2f} ms, K/V {c['kv_bytes']} B per rank)")
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        return self._ring(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
+        return _eager(self._ring)(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
 
     def _flash_cpu(self, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        return self._ring(query, key, value, attn_mask, dropout_p, is_causal, scale, False, True)
+        return _eager(self._ring)(query, key, value, attn_mask, dropout_p, is_causal, scale, False, True)
 
 
 @contextlib.contextmanager
