@@ -145,6 +145,10 @@ split_group = getattr(dist, "split_group", None)
 # torch's count of the references to a storage (private; None where absent: never guess "sole owner").
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
+# The fused CPU attention kernel and its backward (ring attention's per-block compute); None where absent.
+cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+cpu_flash_attention_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
 # ------------------------------------------------------------------ compile: a mesh as an opaque value
 # The base class of compile's opaque types: its metaclass lets a FakeScriptObject pass isinstance
 # checks. 2.11 insists on it for value types; 2.14 renamed it (and warns on the old module).

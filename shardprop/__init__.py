@@ -28,6 +28,7 @@ from shardprop.parallel.optim_foreach import set_optimizer_foreach_default  # no
 from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading, full_state_dict, load_full_state_dict  # noqa: E402  (also attaches the DCP protocol and cross-mesh moves)
 from shardprop.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
 from shardprop.parallel import parallelize as _parallelize  # noqa: E402
+from shardprop.parallel.context_parallel import context_parallel, context_parallel_unshard  # noqa: E402
 
 # A parallelized module's load_state_dict takes plain full tensors (parallel may not import checkpoint).
 _parallelize.on_distributed.append(enable_full_state_dict_loading)
@@ -54,3 +55,4 @@ from shardprop.dispatch.implicit import implicit_replication  # noqa: E402
 from shardprop.parallel.prepare_io import PrepareModuleInputOutput  # noqa: E402
 from shardprop import experimental  # noqa: E402,F401  (torch.distributed.tensor.experimental's names)
 __all__ += ["local_map", "implicit_replication", "PrepareModuleInputOutput"]
+__all__ += ["context_parallel", "context_parallel_unshard"]

@@ -38,6 +38,11 @@ class Explanation:
 
     def __init__(self):
         self.records: List[OpRecord] = []
+        self.notes: List[str] = []  # decisions made outside op dispatch (context-parallel attention's method)
+
+    def note(self, text: str) -> None:
+        """Record a decision taken outside op dispatch; ``print(ex)`` lists the notes after the table."""
+        self.notes.append(text)
 
     def record(self, schema, out) -> None:
         specs = schema.specs
@@ -58,8 +63,9 @@ class Explanation:
                 f"in{i} {_pl(a)}->{_pl(b)}: " + ", ".join(f"{s.kind}@{list(s.mesh_dims)} {s.bytes}B" for s in p.steps)
                 for i, a, b, p in r.redistributions) or "-"
             rows.append([r.op, " ".join(_pl(p) for p in r.inputs), _chosen(r), redis, _alternatives(r)])
-        return tabulate(rows, headers=["op", "inputs", "chosen (needs -> gives)", "redistributions",
-                                       "candidates (cost)"])
+        table = tabulate(rows, headers=["op", "inputs", "chosen (needs -> gives)", "redistributions",
+                                        "candidates (cost)"])
+        return "\n".join([table] + self.notes) if self.notes else table
 
     __repr__ = __str__
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["LlamaConfig", "Llama", "tp_plan", "synthetic_batch", "lm_loss", "make_optimizer", "reference_losses"]
+__all__ = ["LlamaConfig", "Llama", "tp_plan", "cp_buffers", "synthetic_batch", "lm_loss", "make_optimizer", "reference_losses"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class LlamaConfig:
     multiple_of: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Attention through F.scaled_dot_product_attention (is_causal) instead of matmul + mask + softmax:
+    # what context parallelism intercepts (``--cp``), and no seq x seq mask buffer at long sequences.
+    sdpa: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -89,8 +92,10 @@ class Attention(nn.Module):
         # meet only the local q/k, which are plain tensors too under colwise wq/wk).
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        mask = torch.full((cfg.seq_len, cfg.seq_len), float("-inf")).triu(1)
-        self.register_buffer("causal_mask", mask, persistent=False)
+        self.sdpa = cfg.sdpa
+        if not cfg.sdpa:
+            mask = torch.full((cfg.seq_len, cfg.seq_len), float("-inf")).triu(1)
+            self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x):
         b, s = x.shape[0], x.shape[1]
@@ -101,6 +106,9 @@ class Attention(nn.Module):
         q = apply_rope(q, self.rope_cos, self.rope_sin).transpose(1, 2)
         k = apply_rope(k, self.rope_cos, self.rope_sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(y.transpose(1, 2).reshape(b, s, -1))
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         scores = scores + self.causal_mask[:s, :s].to(scores.dtype)
         y = torch.softmax(scores, dim=-1) @ v
@@ -205,6 +213,16 @@ def shardprop_styles() -> SimpleNamespace:
     return SimpleNamespace(Shard=ps.Shard, Replicate=ps.Replicate, ColwiseParallel=ps.ColwiseParallel,
                            RowwiseParallel=ps.RowwiseParallel, SequenceParallel=ps.SequenceParallel,
                            PrepareModuleInput=ps.PrepareModuleInput)
+
+
+def cp_buffers(model: "Llama", *tensors: torch.Tensor) -> Tuple[List[torch.Tensor], List[int]]:
+    """What context parallelism shards on the sequence dim: ``tensors`` ``[batch, seq]`` (dim 1) and every RoPE table (dim 0).
+
+        >>> buffers, dims = cp_buffers(model, tokens, targets)  # doctest: +SKIP
+        >>> with shardprop.context_parallel(mesh, buffers=buffers, buffer_seq_dims=dims): ...  # doctest: +SKIP
+    """
+    tables = [b for name, b in model.named_buffers() if name.endswith(("rope_cos", "rope_sin"))]
+    return list(tensors) + tables, [1] * len(tensors) + [0] * len(tables)
 
 
 def synthetic_batch(cfg: LlamaConfig, batch: int, step: int, seed: int = 0):

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 -m shardprop.demo
     python -m shardprop.demo --compile     # the same training under torch.compile (inductor)
     python -m shardprop.demo --tour        # the older tour: one tensor through every placement
+    python -m shardprop.demo --cp 4 --seq 4096 --batch 1 --steps 3     # context parallelism (ring attention)
     python -m shardprop.demo --steps 10 --checkpoint ckpt              # save at the end (DCP)
     python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
 
@@ -281,7 +282,11 @@ def _run(args) -> None:
         shape = tuple(int(s) for s in args.mesh.split("x")) if args.mesh else (dist.get_world_size(),)
         tour(shape)
         return
-    summary = rank_main(args)
+    if getattr(args, "cp", None):
+        from shardprop.demo.cp_train import cp_main
+        summary = cp_main(args, config_from, compare, RTOL)
+    else:
+        summary = rank_main(args)
     if summary["ok"] is False:
         raise SystemExit(1)
 
@@ -316,6 +321,8 @@ def parser() -> argparse.ArgumentParser:
                    help="load model and optimizer from DIR (saved with any --mesh) and continue up to --steps")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="train under torch.compile (backend: inductor, or e.g. aot_eager)")
+    p.add_argument("--cp", type=int, default=None, metavar="N",
+                   help="context parallelism over N ranks (ring attention; see shardprop.demo.cp_train)")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: NCCL with one GPU per rank, or ranks sharing fewer GPUs over gloo (default: cuda if any)")
@@ -328,7 +335,8 @@ def main(argv=None) -> None:
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.tour:
         args.device = "cpu"
-    ranks = (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if under_launcher else args.nproc)
+    ranks = (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if under_launcher
+             else args.nproc if args.nproc is not None or not args.cp else args.cp)
     chosen = plan(args.device, ranks, visible_gpus())
     args.device, args.backend, args.placement = chosen.device, chosen.backend, chosen.describe()
     if under_launcher:  # under torchrun, or inside a pool of ranks
@@ -341,7 +349,7 @@ def main(argv=None) -> None:
                 dist.destroy_process_group()
         return
     nproc = chosen.nproc
-    if not args.tour:
+    if not args.tour and not args.cp:
         parse_mesh(args.mesh, nproc)  # a bad --mesh fails here, not in every spawned rank
     import torch.multiprocessing as mp
     mp.spawn(_worker, args=(nproc, _free_port(), args), nprocs=nproc)
