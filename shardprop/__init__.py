@@ -41,3 +41,5 @@ __all__ = [
     "unregister_sharding", "full_state_dict", "load_full_state_dict", "enable_full_state_dict_loading",
     "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "set_optimizer_foreach_default",
 ]
+from shardprop.dispatch.fast_paths import fast_paths, fast_paths_enabled, set_fast_paths  # noqa: E402
+__all__ += ["fast_paths", "fast_paths_enabled", "set_fast_paths"]

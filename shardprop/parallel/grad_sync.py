@@ -13,7 +13,9 @@ correct, and accumulation over several backwards stays correct.
 The per-hook reduction is kept where deferral would be wrong: ``torch.autograd.grad``
 (the parameter's gradient is returned, not accumulated), ``create_graph=True``,
 parameters with post-accumulate-grad hooks (they must see the final gradient), and
-under ``torch.compile``.
+under ``torch.compile``, and with the fast paths switched off (``shardprop.set_fast_paths(False)``:
+each gradient is then redistributed in its own hook, the engine path). While ``explain()`` listens,
+each coalesced all-reduce is reported to it.
 
 The fused styles (``fused_linear``, ``fused_norm``) take a parameter's local tensor through
 :class:`ParamLocal`, which defers one step earlier: its backward records the partial local
@@ -34,6 +36,7 @@ import weakref
 
 import torch
 
+from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Replicate
@@ -74,7 +77,7 @@ class GradLike:
         placements = self.placements
         if not isinstance(grad, DTensor) or grad.placements == placements:
             return grad
-        dims = _reduced_dims(grad.placements, placements)
+        dims = _reduced_dims(grad.placements, placements) if _fast.enabled else None
         if dims is not None:
             node, p = _accumulator()
             if p is not None and _deferrable(p, node):
@@ -229,7 +232,12 @@ def _flush() -> None:
         locals_ = [e[1] for e in entries]
         flat = torch.cat([t.reshape(-1) for t in locals_]) if len(locals_) > 1 else \
             locals_[0].reshape(-1).clone()
-        flat = C.all_reduce(flat, mesh, dims, inplace=True)
+        if _fast.recording():
+            flat = _fast.run_recorded("all_reduce", f"fast path: coalesced Partial -> Replicate of {len(entries)} "
+                                      "parameter gradients", ((Partial(),) * len(dims),), dims,
+                                      C.all_reduce, flat, mesh, dims, inplace=True)
+        else:
+            flat = C.all_reduce(flat, mesh, dims, inplace=True)
         offset = 0
         for (ref, local, _) in entries:
             n = local.numel()
