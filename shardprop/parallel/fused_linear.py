@@ -228,6 +228,8 @@ class FusedLinear:
         b = module.bias
         if b is not None and not self.colwise and out == last:
             return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
+        if not self._on_mesh(module.weight, b):
+            return self.hooked(module, x)  # parameters moved off the style's mesh: the engine says what is wrong
         if _fast.recording():
             have = x.placements if isinstance(x, DTensor) else self.placements(self.in_layout, ndim)
             return _fast.run_recorded("linear (local)", f"fast path: {self.what}", (have,), _MESH_DIM,
@@ -250,7 +252,8 @@ class FusedLinear:
         the DTensor path.
         """
         x = input
-        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
+                or not self._on_mesh(module.weight, None):
             return self.hooked(module, x)
         if _fast.recording():
             return _fast.run_recorded("embedding (local)", f"fast path: {self.what}", (_R,), _MESH_DIM,
@@ -268,6 +271,14 @@ class FusedLinear:
         outside = (x < lo) | (x >= lo + rows)
         y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
         return self._output(y, _P, out, None)
+
+    def _on_mesh(self, w, b) -> bool:
+        """Whether the parameters are DTensors on the style's mesh (not, e.g., fully_shard's resharded 2-D ones)."""
+        mesh = self.mesh
+        for p in (w, b):
+            if p is not None and (not isinstance(p, DTensor) or (p._spec.mesh is not mesh and p._spec.mesh != mesh)):
+                return False
+        return True
 
     def _rows(self, w) -> tuple:
         """(first row, number of rows) of this rank's vocabulary shard of ``w`` (cached per spec)."""

@@ -70,8 +70,12 @@ class FusedNorm:
         w, b = module.weight, getattr(module, "bias", None)
         if not seq or (w is not None and not isinstance(w, DTensor)) or (b is not None and not isinstance(b, DTensor)):
             return self.hooked(module, x)  # the sequence dim is normalized over, or plain parameters
-        if isinstance(x, DTensor) and x._spec.mesh != self.mesh:
-            return self.hooked(module, x)
+        mesh = self.mesh
+        wm = mesh if w is None else w._spec.mesh
+        bm = mesh if b is None else b._spec.mesh
+        if (wm is not mesh and wm != mesh) or (bm is not mesh and bm != mesh) or \
+                (isinstance(x, DTensor) and x._spec.mesh != mesh):
+            return self.hooked(module, x)  # off the style's mesh (fully_shard's resharded parameters): the engine says so
         if _fast.recording():
             have = x.placements if isinstance(x, DTensor) else seq
             name = "rms_norm (local)" if type(module) is nn.RMSNorm else "layer_norm (local)"
