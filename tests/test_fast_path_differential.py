@@ -148,6 +148,14 @@ def _hooks(module, case):
         module.register_full_backward_hook(lambda m, gin, gout: tuple(None if g is None else g * 0.5 for g in gin))
 
 
+def _param_hooks(model, case):
+    """A tensor hook on every trainable parameter (it must see the whole gradient, whichever path ran)."""
+    if case["param_hook"]:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g: g * 0.75)
+
+
 # ---------------------------------------------------------------- one case
 _MESHES = {}
 
@@ -233,6 +241,15 @@ def _run(case, model, opt, fast, tp, dp, in_dim, out_dim, full_in, targets, g):
                     loss = full_out if case["style"] == "loss_parallel" else \
                         (full_out.float() * gg[..., :full_out.shape[-1]].reshape(full_out.shape)).sum() * dp_n
                     loss.backward()
+                    if case["accumulate"]:  # gradient accumulation: a second forward and backward into .grad
+                        again = model(x)
+                        if case["style"] == "loss_parallel":
+                            again = F.cross_entropy(again.flatten(0, -2), tg.flatten())
+                        if dist_ and not isinstance(again, DTensor) and out_dim is not None:
+                            again = DTensor.from_local(again, tp, [Shard(out_dim)])
+                        again = again.full_tensor() if isinstance(again, DTensor) else again
+                        (again if case["style"] == "loss_parallel" else
+                         (again.float() * gg[..., :again.shape[-1]].reshape(again.shape)).sum() * dp_n).backward()
                     gx = undo(leaf.grad)
                     if gx is not None and dist_ and in_dim is not None:
                         gx = DTensor.from_local(gx.detach(), tp, [Shard(in_dim)]).full_tensor()
@@ -340,10 +357,12 @@ def run_case(case):
         if dp is not None:
             fully_shard(m, mesh=dp)
         _hooks(m.body.get_submodule(hooked), case)
+        _param_hooks(m, case)
         models[path] = m
     if case["double"] == "after":
         ref.double()
     _hooks(ref.body.get_submodule(hooked), case)
+    _param_hooks(ref, case)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     shape = [4, SEQ, 4][: nd - 1] + [D]
     if case["style"] in ("rowwise",):
@@ -430,6 +449,10 @@ def cases(draw, style=None):
         hooks=tuple(h for h in ("pre", "post", "bwd") if draw(st.booleans())),
         lora=draw(st.booleans()) if style not in SEQUENCE_STYLES[:1] + ID_STYLES else False,
         noncontig=draw(st.booleans()), bias=draw(st.booleans()),
+        # (under fully_shard the parameters autograd sees are the unsharded ones: hooks on the sharded
+        # parameters do not run there, as with torch's fully_shard; so tensor hooks are drawn on tp only)
+        param_hook=draw(st.booleans()) if mode == "grad" and meshes == "tp" else False,
+        accumulate=draw(st.booleans()) if mode == "grad" else False,
         frozen=draw(st.sampled_from((None, None, "weight", "bias"))),
         use_local=draw(st.booleans()), norm=draw(st.sampled_from(("layer", "rms"))),
         padding_idx=draw(st.booleans()) if is_ids else False,

@@ -136,3 +136,55 @@ def test_switch_api_restores_previous_setting():
         assert shardprop.set_fast_paths(True) is False
         assert shardprop.fast_paths_enabled() is True
     assert shardprop.fast_paths_enabled() is before
+
+
+class _TwoMeshNet(nn.Module):
+    """TP layers (on the 2-D mesh once fully_shard runs on dp) and layers outside the plan (on dp alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 8), nn.Linear(8, 6)
+        self.norm, self.head = nn.LayerNorm(6), nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.down(torch.relu(self.up(x)))))
+
+
+def _adamw_2x2(foreach, fast):
+    import shardprop
+    from shardprop import ColwiseParallel, RowwiseParallel, fully_shard, init_device_mesh, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"]
+    torch.manual_seed(5)
+    ref = _TwoMeshNet()
+    model = _TwoMeshNet()
+    model.load_state_dict(ref.state_dict())
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=dp)
+    meshes = {n: p.device_mesh.ndim for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=foreach)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=foreach)
+    gen = torch.Generator().manual_seed(6)
+    with shardprop.fast_paths(fast):
+        for _ in range(5):
+            x = torch.randn(8, 6, generator=gen)
+            model(x.chunk(2)[dp.get_local_rank()]).square().mean().backward()
+            ref(x).square().mean().backward()
+            opt.step(), ropt.step()
+            opt.zero_grad(), ropt.zero_grad()
+    diffs = {n: (p.full_tensor() - r).abs().max().item()
+             for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters())}
+    return meshes, diffs, opt.param_groups[0]["foreach"]
+
+
+def _adamw_2x2_all():
+    return {(foreach, fast): _adamw_2x2(foreach, fast) for foreach in (None, True, False) for fast in (True, False)}
+
+
+def test_adamw_five_steps_on_dp_x_tp_equal_one_process_for_every_foreach():
+    out = run_on_ranks(4, _adamw_2x2_all, timeout=300)[0]
+    assert len(out) == 6
+    for (foreach, fast), (meshes, diffs, kept) in out.items():
+        assert meshes["up.weight"] == 2 and meshes["head.weight"] == 1, meshes  # two meshes in one optimizer
+        assert max(diffs.values()) < 1e-5, (foreach, fast, diffs)
+        assert kept is foreach  # the group's setting is what the user gave
