@@ -287,9 +287,12 @@ def _placements(t):
     return tuple(t.placements) if isinstance(t, DTensor) else None
 
 
-def _tol(case):
+def _tol(case, vs_one_process):
     if case["autocast"] is not None:
-        return dict(atol=6e-2, rtol=6e-2)
+        # Half-precision compute rounds differently once the sums are split over ranks: against one
+        # process, compare whole tensors (relative norm of the difference); between the two TP paths,
+        # which split the same way, elementwise.
+        return dict(rel_norm=5e-2) if vs_one_process else dict(atol=6e-2, rtol=6e-2)
     return dict(atol=1e-9, rtol=1e-9) if case["double"] else dict(atol=2e-5, rtol=2e-5)
 
 
@@ -321,6 +324,11 @@ def _compare(errors, label, a, b, tol, dp_rows=None):
         return
     if a.shape != b.shape:
         errors.append(f"{label}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        return
+    if "rel_norm" in tol:
+        err = (a.double() - b.double()).norm().item()
+        if err > tol["rel_norm"] * b.double().norm().item() + 1e-3:
+            errors.append(f"{label}: relative error {err / max(b.double().norm().item(), 1e-12):.3g}")
         return
     if not torch.allclose(a.double(), b.double(), **tol):
         errors.append(f"{label}: max diff {(a.double() - b.double()).abs().max().item():.3g}")
@@ -387,10 +395,10 @@ def run_case(case):
                                  in_dim, out_dim, full_in, targets, g)
         except Exception as e:  # noqa: BLE001 (reported, compared across paths)
             results[path] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    tol = _tol(case)
     dp_rows = (dp.get_local_rank(), dp.size()) if dp is not None else None
     for a, b in (("fast", "engine"), ("fast", "one process"), ("engine", "one process")):
         ra, rb = results[a], results[b]
+        tol = _tol(case, b == "one process")
         if isinstance(ra, str) or isinstance(rb, str):
             if not (isinstance(ra, str) and isinstance(rb, str) and ra == rb):
                 errors.append(f"{a} vs {b}: {ra if isinstance(ra, str) else 'ran'} / "

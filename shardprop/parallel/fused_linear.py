@@ -226,8 +226,11 @@ class FusedLinear:
         last = self.placements(Shard(-1), ndim)
         out = self.placements(self.out_layout, ndim)
         b = module.bias
-        if b is not None and not self.colwise and out == last:
-            return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
+        if b is not None and not self.colwise and (out == last or (b.requires_grad and not module.weight.requires_grad)):
+            # A feature-sharded output needs the bias sharded too. And with a frozen weight, the bias (added
+            # after the reduction) would get its gradient before the matmul's backward reads the weight:
+            # fully_shard frees the gathered weight once every trainable gradient is in. DTensor path for both.
+            return self.hooked(module, x)
         if not self._on_mesh(module.weight, b):
             return self.hooked(module, x)  # parameters moved off the style's mesh: the engine says what is wrong
         if _fast.recording():
