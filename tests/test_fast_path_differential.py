@@ -491,6 +491,6 @@ def test_fast_paths_match_engine_and_one_process_sample(batch):
 @hypothesis.settings(max_examples=int(os.environ.get("SHARDPROP_DIFF_BATCHES", "6")), deadline=None,
                      database=None, phases=[hypothesis.Phase.generate],
                      suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(batches(6))
+@hypothesis.given(batches(10))
 def test_fast_paths_match_engine_and_one_process_full(batch):
     _check_batch(batch, timeout=600)

@@ -122,10 +122,11 @@ def test_explain_lists_fast_path_matmuls_and_collectives_agreeing_with_comm_coun
 
 def test_env_var_turns_fast_paths_off():
     code = "import shardprop; print(shardprop.fast_paths_enabled())"
-    for value, want in (("0", "False"), ("off", "False"), ("1", "True")):
-        env = dict(os.environ, SHARDPROP_FAST_PATHS=value)
-        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert got.stdout.strip() == want, (value, got.stdout, got.stderr)
+    env = dict(os.environ, SHARDPROP_FAST_PATHS="0")  # one interpreter (importing torch costs seconds)
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "False", (got.stdout, got.stderr)
+    from shardprop.dispatch.fast_paths import _OFF
+    assert {"0", "off", "false"} <= set(_OFF) and "1" not in _OFF
 
 
 def test_switch_api_restores_previous_setting():
