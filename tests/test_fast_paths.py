@@ -70,6 +70,38 @@ def test_switch_is_read_at_call_time():
         assert out[(at_parallelize, False)] >= 2, out     # the DTensor path: matmuls through the dispatcher
 
 
+def _other_fast_paths_follow_the_switch():
+    """The optimizer foreach default and the coalesced gradient all-reduce follow the switch too."""
+    import shardprop
+    from shardprop import Replicate, SequenceParallel, Shard, distribute_tensor, init_device_mesh, parallelize_module
+    mesh = init_device_mesh("cpu", (4,))
+    out = {}
+    for fast in (True, False):
+        params = [torch.nn.Parameter(distribute_tensor(torch.ones(8, 4), mesh, [pl]))
+                  for pl in (Shard(0), Replicate(), Shard(1), Replicate(), Shard(0))]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params)
+        with shardprop.fast_paths(fast):
+            before = _dispatches()
+            opt.step()
+            steps = _dispatches() - before
+        norms = nn.Sequential(nn.LayerNorm(8), nn.RMSNorm(8))
+        parallelize_module(norms, mesh, {"0": SequenceParallel(), "1": SequenceParallel()})
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(4))
+        with shardprop.fast_paths(fast), shardprop.comm_counter() as c:
+            norms(x).to_local().sum().backward()
+        out[fast] = (steps, c.counts.get("all_reduce", (0, 0))[0])
+    return out
+
+
+def test_optimizer_default_and_gradient_coalescing_follow_the_switch():
+    out = run_on_ranks(4, _other_fast_paths_follow_the_switch)[0]
+    (fast_steps, fast_reduces), (slow_steps, slow_reduces) = out[True], out[False]
+    assert 2 * fast_steps < slow_steps, out    # foreach list ops (and first-step state) vs the per-parameter loop
+    assert fast_reduces == 1 and slow_reduces == 3, out  # one coalesced all-reduce vs one per weight/bias
+
+
 def _autocast_bf16():
     import shardprop
     model, ref = _model(True)
