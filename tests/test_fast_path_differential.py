@@ -19,6 +19,22 @@ placements). Drawn over:
   dp mesh alone beside them).
 
 CI runs a fixed-seed sample (one batch); ``SHARDPROP_SLOW=1`` runs the full draw.
+
+Divergences this test found, and what was done (torch 2.13, 4 gloo ranks):
+
+* a tensor hook of the user's on a parameter whose gradient is a partial sum (SequenceParallel norm
+  weights, a row-parallel bias before a sequence scatter): the fast path's ``ParamLocal`` handed
+  autograd no gradient, so the hook got ``None`` (TypeError); the deferring hook handed it a zero and
+  added the unhooked sum at the end of backward; with the fast paths off the hook saw the reduced
+  gradient. Now such a parameter is not deferred (``grad_sync``): the hook sees the reduced gradient.
+* ``fully_shard`` with a frozen row-parallel weight beside a trainable bias: the fast path adds the
+  bias after the reduction, so its gradient arrived (and fully_shard freed the gathered weight) before
+  the matmul's backward read the weight. The fast path now steps aside for that layer.
+* parameters not on the style's mesh (fully_shard's resharded parameters met during a recomputation):
+  the fast path failed on local shapes where the engine names the meshes; it now steps aside.
+* not fast paths, both paths alike, so not drawn: checkpointing under fully_shard (recomputation meets
+  the resharded parameters: MeshMismatchError), and tensor hooks on fully_shard's sharded parameters
+  (they do not run, as with torch's fully_shard).
 """
 import copy
 import os

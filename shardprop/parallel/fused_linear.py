@@ -226,7 +226,8 @@ class FusedLinear:
         last = self.placements(Shard(-1), ndim)
         out = self.placements(self.out_layout, ndim)
         b = module.bias
-        if b is not None and not self.colwise and (out == last or (b.requires_grad and not module.weight.requires_grad)):
+        if b is not None and not self.colwise and \
+                (out == last or (b.requires_grad and not module.weight.requires_grad)):
             # A feature-sharded output needs the bias sharded too. And with a frozen weight, the bias (added
             # after the reduction) would get its gradient before the matmul's backward reads the weight:
             # fully_shard frees the gathered weight once every trainable gradient is in. DTensor path for both.
@@ -366,8 +367,8 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
     """Give a styled ``nn.Linear`` the fast forward if the layouts allow it; False to keep the DTensor path.
 
     Partial input or output layouts keep the DTensor path, and so does a Linear subclass with a
-    forward of its own (so does, at call time, a row-parallel bias under a feature-sharded output:
-    the bias would need its own layout there).
+    forward of its own (so do, at call time: the fast paths switched off, a row-parallel bias under a
+    feature-sharded output or beside a frozen weight, and parameters not on the style's mesh).
 
     Example:
         >>> install(lin, "ColwiseParallel on 'wq'", True, mesh, Replicate(), Shard(-1), True, hooked)  # doctest: +SKIP

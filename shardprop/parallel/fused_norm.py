@@ -75,7 +75,7 @@ class FusedNorm:
         bm = mesh if b is None else b._spec.mesh
         if (wm is not mesh and wm != mesh) or (bm is not mesh and bm != mesh) or \
                 (isinstance(x, DTensor) and x._spec.mesh != mesh):
-            return self.hooked(module, x)  # off the style's mesh (fully_shard's resharded parameters): the engine says so
+            return self.hooked(module, x)  # off the style's mesh (fully_shard's resharded parameters): engine errors
         if _fast.recording():
             have = x.placements if isinstance(x, DTensor) else seq
             name = "rms_norm (local)" if type(module) is nn.RMSNorm else "layer_norm (local)"
