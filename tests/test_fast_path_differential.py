@@ -34,7 +34,9 @@ Divergences this test found, and what was done (torch 2.13, 4 gloo ranks):
   the fast path failed on local shapes where the engine names the meshes; it now steps aside.
 * not fast paths, both paths alike, so not drawn: checkpointing under fully_shard (recomputation meets
   the resharded parameters: MeshMismatchError), and tensor hooks on fully_shard's sharded parameters
-  (they do not run, as with torch's fully_shard).
+  (they do not run, as with torch's fully_shard), and a frozen weight under fully_shard (a unit frees its
+  gathered parameters once every trainable gradient is in, while a frozen weight's matmul backward may
+  still need it: "data is not allocated" / setStorage errors on both paths for 4-d inputs and LoRA).
 """
 import copy
 import os
@@ -477,7 +479,8 @@ def cases(draw, style=None):
         # parameters do not run there, as with torch's fully_shard; so tensor hooks are drawn on tp only)
         param_hook=draw(st.booleans()) if mode == "grad" and meshes == "tp" else False,
         accumulate=draw(st.booleans()) if mode == "grad" else False,
-        frozen=draw(st.sampled_from((None, None, "weight", "bias"))),
+        # (a frozen weight under fully_shard: not drawn, see the module docstring)
+        frozen=draw(st.sampled_from((None, None, "weight", "bias") if meshes == "tp" else (None, None, "bias"))),
         use_local=draw(st.booleans()), norm=draw(st.sampled_from(("layer", "rms"))),
         padding_idx=draw(st.booleans()) if is_ids else False,
         meshes=meshes, at_parallelize=draw(st.booleans()),
