@@ -311,7 +311,8 @@ def _tol(case, vs_one_process):
         # process, compare whole tensors (relative norm of the difference); between the two TP paths,
         # which split the same way, elementwise.
         return dict(rel_norm=5e-2) if vs_one_process else dict(atol=6e-2, rtol=6e-2)
-    return dict(atol=1e-9, rtol=1e-9) if case["double"] else dict(atol=2e-5, rtol=2e-5)
+    # float32: sums split over ranks round differently; after a step on gradients of size ~10-100, 1e-4
+    return dict(atol=1e-9, rtol=1e-9) if case["double"] else dict(atol=1e-4, rtol=1e-4)
 
 
 def _compare(errors, label, a, b, tol, dp_rows=None):
