@@ -74,8 +74,8 @@ class CommCounter:
 
 
 @contextmanager
-def comm_counter() -> Iterator[CommCounter]:
-    """Count the collectives shardprop issues inside the ``with`` block.
+def comm_counter(counter: Optional[CommCounter] = None) -> Iterator[CommCounter]:
+    """Count the collectives shardprop issues inside the ``with`` block (into ``counter`` if given).
 
     Example:
         >>> with comm_counter() as c:  # doctest: +SKIP
@@ -84,7 +84,7 @@ def comm_counter() -> Iterator[CommCounter]:
         {'all_reduce': (3, 12288), 'all_gather': (2, 8192)}
     """
     global _counters
-    c = CommCounter()
+    c = CommCounter() if counter is None else counter
     _counters = _counters + (c,)
     try:
         yield c

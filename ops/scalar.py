@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from shardprop.dispatch import fast_paths as _fast
 from shardprop.dispatch.dispatcher import register_special
 from shardprop.tensor.placement import Replicate
 from shardprop.tensor.redistribute import redistribute_local
@@ -48,10 +49,10 @@ register_special(aten.is_same_size.default, _same_size)
 # Autograd detaches every DTensor gradient it stores in ``.grad`` (AccumulateGrad), once per
 # parameter per step. The result is the same shard under the same spec, so the rule path
 # (flatten, schema, cached propagation) is skipped; explain() recording and inference mode
-# (whose view wrappers need care) still take it.
+# (whose view wrappers need care) still take it, and so does everything with the fast paths off.
 def _detach(op, args, kwargs):
     from shardprop.dispatch import dispatcher
-    if kwargs or dispatcher.recorder is not None or torch.is_inference_mode_enabled():
+    if kwargs or dispatcher.recorder is not None or torch.is_inference_mode_enabled() or not _fast.enabled:
         return dispatcher.run(op, args, kwargs)
     a = args[0]
     return dispatcher.wrap(a._local_tensor.detach(), a._spec)

@@ -56,3 +56,5 @@ from shardprop.parallel.prepare_io import PrepareModuleInputOutput  # noqa: E402
 from shardprop import experimental  # noqa: E402,F401  (torch.distributed.tensor.experimental's names)
 __all__ += ["local_map", "implicit_replication", "PrepareModuleInputOutput"]
 __all__ += ["context_parallel", "context_parallel_unshard"]
+from shardprop.dispatch.fast_paths import fast_paths, fast_paths_enabled, set_fast_paths  # noqa: E402
+__all__ += ["fast_paths", "fast_paths_enabled", "set_fast_paths"]

@@ -2,7 +2,10 @@
 
 ``with explain() as ex`` records every op call: its input placements, every
 candidate strategy with its cost, the one chosen, and each redistribution that
-was inserted (collective and bytes). ``with explicit("raise")`` turns any
+was inserted (collective and bytes). The eager fast paths (TP styles' local
+matmuls and lookups, sequence-parallel norms, the coalesced gradient all-reduce)
+report their local op and the collectives they issued through the same hook
+(records with ``is_fast_path``). ``with explicit("raise")`` turns any
 redistribution the user did not ask for into an error (or a warning).
 """
 from __future__ import annotations
@@ -25,12 +28,19 @@ class OpRecord:
     outputs: tuple          # placements of each output (None for non-tensor outputs)
     candidates: tuple       # Candidate(mesh_dim, inputs, outputs, cost)
     redistributions: tuple  # (input index, from, to, plan steps)
+    fast: tuple = ()        # a fast path's own collectives: (kind, mesh dims, bytes); empty for dispatcher ops
+    what: str = ""          # for a fast path: which one, and on which module
 
     @property
     def collectives(self) -> List[tuple]:
-        """(input index, kind, mesh dims, bytes) for every collective inserted."""
+        """(input index, kind, mesh dims, bytes) for every collective inserted (index 0 for a fast path's)."""
         return [(i, s.kind, s.mesh_dims, s.bytes) for i, _, _, plan in self.redistributions
-                for s in plan.collectives]
+                for s in plan.collectives] + [(0, kind, dims, nbytes) for kind, dims, nbytes in self.fast]
+
+    @property
+    def is_fast_path(self) -> bool:
+        """Whether an eager fast path ran this (local op on local tensors), not the dispatcher."""
+        return bool(self.what)
 
 
 class Explanation:
@@ -52,6 +62,11 @@ class Explanation:
             str(schema.op), tuple(s.placements for s in specs), tuple(s.placements for s in out.in_specs),
             tuple(None if s is None else s.placements for s in out.out_specs), out.candidates, redis))
 
+    def record_fast(self, op: str, what: str, inputs: tuple, outputs: tuple, collectives: tuple) -> None:
+        """A fast path's local op (``linear (local)``, ...) and the collectives it issued (kind, mesh dims, bytes)."""
+        self.records.append(OpRecord(op, tuple(inputs), tuple(inputs), tuple(outputs), (), (), tuple(collectives),
+                                     what))
+
     def __len__(self) -> int:
         return len(self.records)
 
@@ -62,6 +77,11 @@ class Explanation:
             redis = "; ".join(
                 f"in{i} {_pl(a)}->{_pl(b)}: " + ", ".join(f"{s.kind}@{list(s.mesh_dims)} {s.bytes}B" for s in p.steps)
                 for i, a, b, p in r.redistributions) or "-"
+            if r.fast:
+                redis = "; ".join(f"{k}@{list(d)} {n}B" for k, d, n in r.fast)
+            if r.what:
+                rows.append([r.op, " ".join(_pl(p) for p in r.inputs), _chosen(r), redis, r.what])
+                continue
             rows.append([r.op, " ".join(_pl(p) for p in r.inputs), _chosen(r), redis, _alternatives(r)])
         table = tabulate(rows, headers=["op", "inputs", "chosen (needs -> gives)", "redistributions",
                                         "candidates (cost)"])

@@ -25,9 +25,11 @@ backward puts the local gradient into ``param.grad`` as a DTensor laid out like 
 (a ``Partial`` bias gradient joins the end-of-backward all-reduce), so optimizers and
 checkpoints see what they saw. Sequence gathers and reduce-scatters go through the planner's
 prepared programs (``redistribute_local``: one lookup, then one flat collective and at most one
-layout copy). Every collective goes through ``shardprop.mesh.collectives`` (so ``comm_counter()`` counts it); the
-local matmuls are not DTensor ops, so ``explain()`` (which records dispatcher ops) does not
-list them. Under ``torch.compile`` the forward runs the DTensor path (traced with no graph break).
+layout copy). Every collective goes through ``shardprop.mesh.collectives`` (so ``comm_counter()`` counts it);
+while ``explain()`` listens, the local op and the collectives of each forward (and of each backward
+node that communicates) are reported to it (``dispatch.fast_paths.run_recorded``). Under
+``torch.compile``, or with the fast paths switched off (``shardprop.set_fast_paths(False)``, read at
+call time), the forward runs the DTensor path.
 
 Example:
     >>> parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})  # doctest: +SKIP
@@ -41,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh import collectives as C
 from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.grad_sync import ParamLocal
@@ -119,6 +122,9 @@ class _CopyIn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _forget_input()
+        if _fast.recording():
+            return _fast.run_recorded("all_reduce", "fast path backward: input gradient of a column-parallel "
+                                      "matmul", (_P,), _MESH_DIM, C.all_reduce, grad, ctx.mesh, _MESH_DIM), None
         return C.all_reduce(grad, ctx.mesh, _MESH_DIM), None  # a fresh tensor: autograd may hold grad
 
 
@@ -154,7 +160,11 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _forget_input()
-        return redistribute_local(grad, ctx.grad_spec, ctx.grad_dst), None, None, None, None
+        spec, dst = ctx.grad_spec, ctx.grad_dst
+        if _fast.recording():
+            return _fast.run_recorded("redistribute", "fast path backward: gradient relayout", (spec.placements,),
+                                      _MESH_DIM, redistribute_local, grad, spec, dst), None, None, None, None
+        return redistribute_local(grad, spec, dst), None, None, None, None
 
 
 def _spec_of_local(local: torch.Tensor, mesh, placements):
@@ -210,14 +220,27 @@ class FusedLinear:
     def forward(self, module, input):  # noqa: A002 (nn.Linear.forward's name: module(input=x) works)
         """The Linear's forward under the style: local matmul plus explicit collectives."""
         x = input
-        if _is_compiling() or not isinstance(x, torch.Tensor):
+        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor):
             return self.hooked(module, x)
         ndim = x.ndim
         last = self.placements(Shard(-1), ndim)
         out = self.placements(self.out_layout, ndim)
         b = module.bias
-        if b is not None and not self.colwise and out == last:
-            return self.hooked(module, x)  # a feature-sharded output needs the bias sharded too: DTensor path
+        if b is not None and not self.colwise and \
+                (out == last or (b.requires_grad and not module.weight.requires_grad)):
+            # A feature-sharded output needs the bias sharded too. And with a frozen weight, the bias (added
+            # after the reduction) would get its gradient before the matmul's backward reads the weight:
+            # fully_shard frees the gathered weight once every trainable gradient is in. DTensor path for both.
+            return self.hooked(module, x)
+        if not self._on_mesh(module.weight, b):
+            return self.hooked(module, x)  # parameters moved off the style's mesh: the engine says what is wrong
+        if _fast.recording():
+            have = x.placements if isinstance(x, DTensor) else self.placements(self.in_layout, ndim)
+            return _fast.run_recorded("linear (local)", f"fast path: {self.what}", (have,), _MESH_DIM,
+                                      self._linear, module, x, last, out, b)
+        return self._linear(module, x, last, out, b)
+
+    def _linear(self, module, x, last, out, b):
         xl = self._local_input(x, _R if self.colwise else last)
         w = module.weight
         w = _param_local(w, w._spec)
@@ -233,8 +256,15 @@ class FusedLinear:
         the DTensor path.
         """
         x = input
-        if _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
+                or not self._on_mesh(module.weight, None):
             return self.hooked(module, x)
+        if _fast.recording():
+            return _fast.run_recorded("embedding (local)", f"fast path: {self.what}", (_R,), _MESH_DIM,
+                                      self._embedding, module, x)
+        return self._embedding(module, x)
+
+    def _embedding(self, module, x):
         w = module.weight
         wl = _param_local(w, w._spec)
         ndim = x.ndim + 1
@@ -245,6 +275,14 @@ class FusedLinear:
         outside = (x < lo) | (x >= lo + rows)
         y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
         return self._output(y, _P, out, None)
+
+    def _on_mesh(self, w, b) -> bool:
+        """Whether the parameters are DTensors on the style's mesh (not, e.g., fully_shard's resharded 2-D ones)."""
+        mesh = self.mesh
+        for p in (w, b):
+            if p is not None and (not isinstance(p, DTensor) or (p._spec.mesh is not mesh and p._spec.mesh != mesh)):
+                return False
+        return True
 
     def _rows(self, w) -> tuple:
         """(first row, number of rows) of this rank's vocabulary shard of ``w`` (cached per spec)."""
@@ -329,8 +367,8 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
     """Give a styled ``nn.Linear`` the fast forward if the layouts allow it; False to keep the DTensor path.
 
     Partial input or output layouts keep the DTensor path, and so does a Linear subclass with a
-    forward of its own (so does, at call time, a row-parallel bias under a feature-sharded output:
-    the bias would need its own layout there).
+    forward of its own (so do, at call time: the fast paths switched off, a row-parallel bias under a
+    feature-sharded output or beside a frozen weight, and parameters not on the style's mesh).
 
     Example:
         >>> install(lin, "ColwiseParallel on 'wq'", True, mesh, Replicate(), Shard(-1), True, hooked)  # doctest: +SKIP

@@ -9,7 +9,9 @@ gradient (this rank's sum over its sequence piece, a ``Partial`` value) to the e
 all-reduce that makes ``param.grad`` ``Replicate`` (coalesced with the others). The output is
 the ``Shard(seq)`` DTensor of the local result (``WrapLocal``, its spec cached per shape; or
 the local result with ``use_local_output``), as the DTensor path gives. Under ``torch.compile``, for other module
-types, or when the sequence dim is a normalized dim, the DTensor path runs.
+types, when the sequence dim is a normalized dim, or with the fast paths switched off
+(``shardprop.set_fast_paths(False)``, read at call time), the DTensor path runs. While ``explain()``
+listens, each call is reported to it as a local norm.
 
 Example:
     >>> parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})  # doctest: +SKIP
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardprop.dispatch import fast_paths as _fast
 from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.fused_linear import LocalOf, WrapLocal
 from shardprop.parallel.grad_sync import ParamLocal
@@ -57,7 +60,7 @@ class FusedNorm:
     def forward(self, module, input):  # noqa: A002 (the norms' forward argument name)
         """The norm on this rank's sequence piece; a Shard(seq) DTensor out (local with use_local_output)."""
         x = input
-        if _is_compiling() or not isinstance(x, torch.Tensor):
+        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor):
             return self.hooked(module, x)
         ndim = x.ndim
         seq = self._seq.get(ndim)
@@ -68,9 +71,21 @@ class FusedNorm:
         if not seq or (w is not None and not isinstance(w, DTensor)) or (b is not None and not isinstance(b, DTensor)):
             return self.hooked(module, x)  # the sequence dim is normalized over, or plain parameters
         mesh = self.mesh
+        wm = mesh if w is None else w._spec.mesh
+        bm = mesh if b is None else b._spec.mesh
+        if (wm is not mesh and wm != mesh) or (bm is not mesh and bm != mesh) or \
+                (isinstance(x, DTensor) and x._spec.mesh != mesh):
+            return self.hooked(module, x)  # off the style's mesh (fully_shard's resharded parameters): engine errors
+        if _fast.recording():
+            have = x.placements if isinstance(x, DTensor) else seq
+            name = "rms_norm (local)" if type(module) is nn.RMSNorm else "layer_norm (local)"
+            return _fast.run_recorded(name, "fast path: SequenceParallel norm", (have,), (0,),
+                                      self._norm, module, x, seq, w, b)
+        return self._norm(module, x, seq, w, b)
+
+    def _norm(self, module, x, seq, w, b):
+        mesh = self.mesh
         if isinstance(x, DTensor):
-            if x._spec.mesh != mesh:
-                return self.hooked(module, x)
             if x._spec.placements != seq:
                 x = x.redistribute(placements=seq)
             shape = x._spec.shape

@@ -12,16 +12,18 @@ correct, and accumulation over several backwards stays correct.
 
 The per-hook reduction is kept where deferral would be wrong: ``torch.autograd.grad``
 (the parameter's gradient is returned, not accumulated), ``create_graph=True``,
-parameters with post-accumulate-grad hooks (they must see the final gradient), and
-under ``torch.compile``.
+parameters with post-accumulate-grad hooks (they must see the final gradient), parameters
+with tensor hooks of the user's after ours (they must see the reduced gradient), and
+under ``torch.compile``, and with the fast paths switched off (``shardprop.set_fast_paths(False)``:
+each gradient is then redistributed in its own hook, the engine path). While ``explain()`` listens,
+each coalesced all-reduce is reported to it.
 
 The fused styles (``fused_linear``, ``fused_norm``) take a parameter's local tensor through
 :class:`ParamLocal`, which defers one step earlier: its backward records the partial local
 gradient and hands autograd no gradient at all (no zero DTensor, no accumulation of it, no
 hook call), and the end-of-backward sum is written into ``param.grad`` (set, or added to an
-existing gradient). Tensor hooks a user registers on such a parameter do not see that part of
-the gradient (the per-hook path hands them a zero for it); ``param.grad`` after ``backward()``
-is the same.
+existing gradient). A parameter with tensor hooks of the user's takes the per-hook path, not
+deferred, so those hooks see the reduced gradient exactly as with the fast paths off.
 
 Example:
     >>> param.register_hook(grad_like(param, param.placements))  # doctest: +SKIP
@@ -34,6 +36,7 @@ import weakref
 
 import torch
 
+from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Replicate
@@ -74,7 +77,7 @@ class GradLike:
         placements = self.placements
         if not isinstance(grad, DTensor) or grad.placements == placements:
             return grad
-        dims = _reduced_dims(grad.placements, placements)
+        dims = _reduced_dims(grad.placements, placements) if _fast.enabled else None
         if dims is not None:
             node, p = _accumulator()
             if p is not None and _deferrable(p, node):
@@ -117,8 +120,8 @@ def _reduced_dims(have: tuple, want: tuple):
 
 
 def _deferrable(p: torch.Tensor, node) -> bool:
-    if _is_compiling() or torch.is_grad_enabled() or p._post_accumulate_grad_hooks:
-        return False
+    if _is_compiling() or torch.is_grad_enabled() or p._post_accumulate_grad_hooks or len(p._backward_hooks) > 1:
+        return False  # (a user's tensor hook after ours must see the reduced gradient, as on the engine path)
     return _accumulates(node)
 
 
@@ -176,13 +179,14 @@ class ParamLocal(torch.autograd.Function):
             grad = grad.contiguous()
         if not torch.is_grad_enabled():
             p = ctx.param()
-            if p is not None and not p._post_accumulate_grad_hooks and _accumulates(ctx.next_functions[0][0]):
+            # A tensor hook of the user's (beside grad_like's) must see the gradient: autograd runs it.
+            if p is not None and not p._post_accumulate_grad_hooks and len(p._backward_hooks or ()) <= 1 \
+                    and _accumulates(ctx.next_functions[0][0]):
                 dims = ctx.dims
                 if dims is not None:
                     _record(ctx.param, grad, spec.mesh, dims)
                     return None, None
-                if spec.placements == p._spec.placements and len(p._backward_hooks or ()) <= 1 \
-                        and _accumulate(p, grad, spec):
+                if spec.placements == p._spec.placements and _accumulate(p, grad, spec):
                     return None, None
         return DTensor(grad, spec), None
 
@@ -229,7 +233,12 @@ def _flush() -> None:
         locals_ = [e[1] for e in entries]
         flat = torch.cat([t.reshape(-1) for t in locals_]) if len(locals_) > 1 else \
             locals_[0].reshape(-1).clone()
-        flat = C.all_reduce(flat, mesh, dims, inplace=True)
+        if _fast.recording():
+            flat = _fast.run_recorded("all_reduce", f"fast path: coalesced Partial -> Replicate of {len(entries)} "
+                                      "parameter gradients", ((Partial(),) * len(dims),), dims,
+                                      C.all_reduce, flat, mesh, dims, inplace=True)
+        else:
+            flat = C.all_reduce(flat, mesh, dims, inplace=True)
         offset = 0
         for (ref, local, _) in entries:
             n = local.numel()

@@ -13,7 +13,8 @@ as torch itself would on CUDA. The group's setting is put back right after the s
 ``optimizer.state_dict()`` and the user still see ``None``. The update is the same: torch's
 foreach and per-parameter implementations apply the same elementwise operations in the same
 order. An explicit ``foreach=False`` (or ``True``, or ``fused=True``) is always respected;
-``set_optimizer_foreach_default(False)`` turns this off everywhere.
+``set_optimizer_foreach_default(False)`` turns this off everywhere, and so does
+``shardprop.set_fast_paths(False)`` (all fast paths), read at each step.
 
 Example:
     >>> opt = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from shardprop.dispatch import fast_paths as _fast
 from shardprop.tensor.dtensor import DTensor
 
 _enabled = True
@@ -51,7 +53,7 @@ def _wants_foreach(group: dict) -> bool:
 
 
 def _before_step(optimizer, args, kwargs):
-    if not _enabled or torch.compiler.is_compiling():
+    if not (_enabled and _fast.enabled) or torch.compiler.is_compiling():
         return None
     for group in optimizer.param_groups:
         if _wants_foreach(group):
