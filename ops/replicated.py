@@ -31,6 +31,7 @@ from shardprop.dispatch.dispatcher import (
     same_on_every_rank,
     wrap,
 )
+from shardprop.dispatch.plain_tensors import same_on_every_rank_checked
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.mesh.compat import aten_ops
 from shardprop.dispatch.registry import register_local_call, rule
@@ -157,7 +158,8 @@ def _gathered(args, mesh_box):
         return redistribute_local(args._local_tensor, spec, (R,) * spec.mesh.ndim)
     if t is list or t is tuple:
         return t(_gathered(a, mesh_box) for a in args)
-    if isinstance(args, torch.Tensor) and args.dim() > 0 and not same_on_every_rank(args):
+    if isinstance(args, torch.Tensor) and args.dim() > 0 and not (
+            same_on_every_rank_checked(args, mesh_box[0]) if mesh_box else same_on_every_rank(args)):
         raise _plain_tensor_error(args)
     return args
 

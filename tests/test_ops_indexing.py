@@ -15,6 +15,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardprop import Partial, Replicate, Shard
 from tests.rankpool import run_on_ranks
@@ -241,14 +242,16 @@ def _plain_tensors():
         problems.append(f"plain index: placements {got.placements}")
     got = x + torch.arange(4)  # plain integer operand, broadcast: replicated
     torch.testing.assert_close(got.full_tensor(), full + torch.arange(4))
+    got = x + torch.ones(4)  # a plain float tensor identical on every rank (verified): replicated
+    torch.testing.assert_close(got.full_tensor(), full + 1)
     try:
-        x + torch.ones(4)
-        problems.append("a plain float tensor did not raise")
+        x + torch.full((4,), float(dist.get_rank()))  # differs between ranks: raises on every rank
+        problems.append("a plain float tensor that differs between ranks did not raise")
     except ShardingError as e:
         if "plain torch.Tensor of shape (4,)" not in str(e) or "distribute_tensor" not in str(e):
             problems.append(f"unclear message: {e}")
     try:
-        torch.index_add(x, 0, torch.tensor([1]), torch.ones(1, 4))
+        torch.index_add(x, 0, torch.tensor([1]), torch.full((1, 4), float(dist.get_rank())))
         problems.append("a plain float source did not raise")
     except ShardingError:
         pass

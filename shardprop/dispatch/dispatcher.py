@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only  # off the hot path: cross-mesh calls only
 
+from shardprop.dispatch import plain_tensors as _plain
 from shardprop.dispatch import propagate as _prop
 from shardprop.dispatch.method_calls import local_callable
 from shardprop.dispatch.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
@@ -105,8 +106,9 @@ class PlainTensorError(_prop.ShardingError):
 def _plain_tensor_error(a) -> Exception:
     # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
     return PlainTensorError(
-        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)}; only 0-dim "
-        "tensors and Python scalars are treated as replicated. Make it a DTensor first with "
+        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)} that is not "
+        "the same on every rank; only 0-dim tensors, Python scalars and plain tensors identical on every "
+        "rank are treated as replicated. Make it a DTensor first with "
         "shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements).")
 
 
@@ -402,11 +404,10 @@ def _replicate_plain_indices(args, kwargs):
 
     torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
     ``aten.index(x, [tensor([1, 2])])``), so they hold the same values on every rank.
-    All-zero floating tensors are the same on every rank too: torch's backward formulas
-    build them (``at::zeros``) and mix them with the gradients; during a backward pass so are
-    all-one ones (``at::ones``: torch 2.11's cumprod backward). Other floating plain
-    tensors are usually data (a rank-local shard, a random tensor), so they still raise:
-    guessing them replicated could silently give a wrong result.
+    Floating ones join only when verified identical on every rank (``plain_tensors``: what
+    torch's composites and backward formulas build inside an op, ``eye``, tolerances,
+    zeros); one that differs between ranks raises on every rank: guessing it replicated
+    would silently give a wrong result.
 
     Example:
         >>> _replicate_plain_indices((x, [torch.tensor([1, 2])]), None)  # x a DTensor  # doctest: +SKIP
@@ -423,7 +424,7 @@ def _replicate_plain_indices(args, kwargs):
         if t is dict:
             return {k: conv(v) for k, v in a.items()}
         if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            if mesh is None or not same_on_every_rank(a):
+            if mesh is None or not _plain.same_on_every_rank_checked(a, mesh):
                 raise _plain_tensor_error(a)
             spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
             return DTensor(a, spec)
@@ -439,9 +440,7 @@ def same_on_every_rank(t) -> bool:
         >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
         (True, False)
     """
-    if not (t.is_floating_point() or t.is_complex()) or not bool(t.any()):
-        return True
-    return torch._C._current_graph_task_id() != -1 and bool((t == 1).all())  # in a backward formula
+    return _plain.local_rule(t)
 
 
 def _first_mesh(a):
