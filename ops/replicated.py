@@ -14,7 +14,9 @@ Two paths:
 
 ``as_strided`` and friends read the input's storage: they are right on a replicated
 copy only when the global tensor is dense (no gaps between its elements, which a copy
-would fill with garbage) and the view stays inside it; the rule offers nothing otherwise.
+would fill with garbage) and the view stays inside it (a ``storage_offset`` counts from the
+DTensor's first element, its global tensor taken as its own storage, as for a fresh contiguous
+tensor); otherwise the rule raises a ``ShardingError`` naming the op, the placements and why.
 
 Example:
     >>> x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])  # doctest: +SKIP
@@ -121,21 +123,29 @@ def _dense(shape, stride) -> bool:
 def strided(ctx):
     x = ctx.specs[0]
     size, stride = arg(ctx, "size"), arg(ctx, "stride")
-    offset = arg(ctx, "storage_offset", None)
-    if offset is not None or not _dense(x.shape, x.tensor_meta.stride):
-        return []  # an explicit offset is relative to a storage the global tensor does not describe
+    # A DTensor's storage is its dense global tensor, starting at its first element (offset 0),
+    # as for a fresh contiguous tensor; an offset counts from there.
+    offset = arg(ctx, "storage_offset", None) or 0
+    if not _dense(x.shape, x.tensor_meta.stride):
+        raise ShardingError(f"{ctx.op}: the DTensor (placements {list(x.placements)}, shape {tuple(x.shape)}, "
+                            f"stride {x.tensor_meta.stride}) is not dense, so it has no storage to view; "
+                            "call .contiguous() first")
     numel = x.tensor_meta.shape.numel()
     if any(n == 0 for n in size):
         return [replicate_option(ctx)]
-    last = sum((n - 1) * s for n, s in zip(size, stride))
-    return [replicate_option(ctx)] if 0 <= last < numel and min(stride, default=0) >= 0 else []
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if offset >= 0 and 0 <= last < numel and min(stride, default=0) >= 0:
+        return [replicate_option(ctx)]
+    raise ShardingError(f"{ctx.op}: size {list(size)}, stride {list(stride)}, storage_offset {offset} reaches "
+                        f"outside the DTensor's {numel} elements (placements {list(x.placements)}); a DTensor's "
+                        "storage is its own global tensor, nothing before or after it")
 
 
 def _with_global_strides(op, out, largs, lkwargs):
     """Run on a copy of the input laid out with the global tensor's strides (storage order matters)."""
     m = out.in_specs[0].tensor_meta
     x = largs[0]
-    if tuple(x.stride()) != tuple(m.stride):
+    if tuple(x.stride()) != tuple(m.stride) or x.storage_offset() != 0:
         x = torch.empty_strided(m.shape, m.stride, dtype=x.dtype, device=x.device).copy_(x)
     return op(x, *largs[1:], **lkwargs)
 
