@@ -14,7 +14,8 @@ The backward ops (``native_batch_norm_backward``, ``batch_norm_backward``, train
 the global sums of ``grad_out`` and ``grad_out * x_hat`` per channel: one all-reduce of both.
 
 Any other case (eval with running statistics, no batch shard, channel-only shards) takes the
-rule in ``ops/nn.py``. A channel shard beside the batch shard is gathered first (the per-channel
+rule in ``ops/nn.py``; where that rule refuses (running statistics whose placement no strategy
+keeps), the computation here serves it too, with no all-reduce. A channel shard beside the batch shard is gathered first (the per-channel
 tensors then are replicated); running statistics of any placement are updated in place through
 their full value.
 
@@ -29,6 +30,7 @@ import math
 import torch
 
 from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch.propagate import ShardingError
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
 from shardprop.tensor.placement import Partial, Replicate, Shard
@@ -128,8 +130,13 @@ def _forward(op, args, kwargs):
     named = _named(op, args, kwargs)
     x = named["input"]
     dims = batch_dims(x)
-    if not dims or not _flag(op, args, kwargs, FORWARD) or x.numel() == 0:
+    if not _flag(op, args, kwargs, FORWARD) or x.numel() == 0:
         return _dispatch.run(op, args, kwargs)
+    if not dims:
+        try:  # the rule keeps a channel shard; it refuses when the running stats would have to move
+            return _dispatch.run(op, args, kwargs)
+        except ShardingError:  # raised while choosing a strategy: on every rank, before any collective
+            pass
     mesh = x._spec.mesh
     metas = op(*_meta(args), **{k: _meta(v) for k, v in (kwargs or {}).items()})
     placements = _input_placements(x)
@@ -169,7 +176,7 @@ def _update(running, stat, momentum: float) -> None:
     if isinstance(running, DTensor):
         spec = running._spec
         if any(isinstance(p, Partial) for p in spec.placements):
-            raise _dispatch._prop.ShardingError(
+            raise ShardingError(
                 f"shardprop: training batch norm cannot update a running statistic placed {spec.placements} "
                 "(Partial); make it Replicate or Shard(0)")
         full = _full(running)
@@ -184,8 +191,13 @@ def _backward(op, args, kwargs):
     named = _named(op, args, kwargs)
     x = named["input"]
     dims = batch_dims(x)
-    if not dims or not _flag(op, args, kwargs, BACKWARD):
+    if not _flag(op, args, kwargs, BACKWARD):
         return _dispatch.run(op, args, kwargs)
+    if not dims:
+        try:
+            return _dispatch.run(op, args, kwargs)
+        except ShardingError:
+            pass
     mesh = x._spec.mesh
     metas = op(*_meta(args), **{k: _meta(v) for k, v in (kwargs or {}).items()})
     placements = _input_placements(x)

@@ -8,7 +8,7 @@ import pytest
 from tests.rankpool import run_on_ranks
 
 
-def _bn_case(shape, mesh_shape, placements_code, momentum, affine, steps, functional):
+def _bn_case(shape, mesh_shape, placements_code, momentum, affine, steps, functional, stats_code=None):
     import torch
     import torch.nn.functional as F
 
@@ -27,7 +27,8 @@ def _bn_case(shape, mesh_shape, placements_code, momentum, affine, steps, functi
     dx = sp.distribute_tensor(x, mesh, pl).requires_grad_(True)
     dw = sp.distribute_tensor(w, mesh, rep).requires_grad_(True) if affine else None
     db = sp.distribute_tensor(b, mesh, rep).requires_grad_(True) if affine else None
-    drm, drv = sp.distribute_tensor(rm.clone(), mesh, rep), sp.distribute_tensor(rv.clone(), mesh, rep)
+    spl = rep if stats_code is None else [sp.Shard(0) if c == "S0" else sp.Replicate() for c in stats_code]
+    drm, drv = sp.distribute_tensor(rm.clone(), mesh, spl), sp.distribute_tensor(rv.clone(), mesh, spl)
     xr = x.clone().requires_grad_(True)
     wr = w.clone().requires_grad_(True) if affine else None
     br = b.clone().requires_grad_(True) if affine else None
@@ -72,6 +73,13 @@ def test_batch_norm_training_2d_mesh_no_affine():
     # batch shard on one mesh dim, channel shard on the other (gathered first): output [S(0), R]
     res = run_on_ranks(4, _bn_case, (8, 4, 3), (2, 2), ("S0", "S1"), 0.3, False, 1, True)
     assert res == [False] * 4
+
+
+def test_batch_norm_training_sharded_running_stats():
+    # Running statistics sharded (uneven: 5 channels over 4 ranks) beside a replicated input: no
+    # strategy of the rule keeps them in place, so the statistics are computed here and written back.
+    res = run_on_ranks(4, _bn_case, (6, 5, 3), (4,), ("R",), 0.2, True, 2, True, ("S0",))
+    assert res == [True] * 4
 
 
 def _bn_comm(shape):
