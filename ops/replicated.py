@@ -37,7 +37,7 @@ from shardprop.dispatch.plain_tensors import same_on_every_rank_checked
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.mesh.compat import aten_ops
 from shardprop.dispatch.registry import register_local_call, rule
-from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.dtensor import DTensor, local_chunk
 from shardprop.tensor.placement import Replicate
 from shardprop.tensor.redistribute import redistribute_local
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
@@ -71,6 +71,10 @@ REPLICATED = [
     (["linspace", "logspace"], ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor")),
     # ops over lists of tensors of different shapes
     (["_chunk_cat", "block_diag"], None),
+    # random draws over whole rows or windows: every rank draws the whole result from its generator,
+    # in step with the others' (random_ops), so all hold what one process draws
+    (["multinomial", "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_backward"], None),
+    (["rrelu_with_noise_backward"], None),
 ]
 
 # Output shape depends on the values, or no meta kernel: run on the gathered inputs.
@@ -80,6 +84,7 @@ RUN_WHOLE = [
       "linalg_lstsq", "allclose", "bincount", "_unique"], ("default",)),
     (["repeat_interleave"], ("Tensor",)),
     (["histogram"], ("bins_tensor", "bin_ct")),
+    (["fractional_max_pool3d_backward"], ("default",)),  # no meta kernel
 ]
 
 # Read raw storage: replicated and dense only (see the module docstring).
@@ -197,3 +202,28 @@ def run_whole(op, args, kwargs):
 
 for _op in _ops(RUN_WHOLE):
     register_special(_op, run_whole)
+
+
+# ------------------------------------------------------------------ rrelu
+def _rrelu_with_noise(op, args, kwargs):
+    """``rrelu_with_noise(self, noise, ...)`` draws ``noise`` in place: run it on the full tensors on every
+    rank (generators in step: what one process draws), then keep each rank's chunk of output and noise.
+
+    Example:
+        >>> torch.nn.functional.rrelu(x, training=True)  # x a DTensor  # doctest: +SKIP
+    """
+    x, noise = args[0], args[1]
+    if not isinstance(x, DTensor):
+        raise ShardingError(f"{op}: expected a DTensor input, got {type(x).__name__}")
+    mesh = x._spec.mesh
+    full_x = _gathered(x, [])
+    full_noise = _gathered(noise, []).clone() if isinstance(noise, DTensor) else noise
+    out = op(full_x, full_noise, *args[2:], **(kwargs or {}))
+    if isinstance(noise, DTensor):
+        noise._local_tensor.copy_(local_chunk(full_noise, mesh, noise._spec.placements))
+    spec = DTensorSpec(mesh, x._spec.placements, TensorMeta(out.shape, out.stride(), out.dtype))
+    return wrap(local_chunk(out, mesh, x._spec.placements), spec)
+
+
+for _op in aten_ops(["rrelu_with_noise"], ("default",)):
+    register_special(_op, _rrelu_with_noise)
