@@ -40,4 +40,4 @@ bench: $(STAMP)
 	$(PY) bench/run_all.py
 
 sweep: $(STAMP)
-	$(PY) bench/op_sweep.py
+	$(PY) bench/op_sweep.py --engine both --json sweep_results.json
