@@ -59,3 +59,21 @@ def _differs_between_ranks():
 def test_plain_tensor_differing_on_one_rank_raises_on_every_rank():
     # Rank 3 alone differs: every rank raises (no rank left waiting), on a 2-d mesh.
     assert run_on_ranks(4, _differs_between_ranks) == [[48.0, "raised"]] * 4
+
+
+def _plain_out_target():
+    import torch
+    import torch.distributed as dist
+
+    import shardprop as sp
+    mesh = sp.init_device_mesh("cpu", (4,))
+    a = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    b = torch.arange(15.).reshape(3, 5)
+    buf = torch.full((4, 5), float(dist.get_rank()))  # its old values differ between ranks: never read
+    torch.mm(sp.distribute_tensor(a, mesh, [sp.Replicate()]), sp.distribute_tensor(b, mesh, [sp.Replicate()]), out=buf)
+    return torch.equal(buf, a @ b)
+
+
+def test_plain_out_target_receives_the_full_result():
+    # torch's chunked linear_cross_entropy writes DTensor matmuls into torch.empty buffers.
+    assert run_on_ranks(4, _plain_out_target) == [True] * 4

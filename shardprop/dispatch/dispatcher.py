@@ -216,7 +216,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             split = _split_positions(op, args, kwargs, compute, rec)
             if split is not _NOT_SPLIT:
                 return split
-        args, kwargs = _replicate_plain_indices(args, kwargs)  # raises again for non-zero floating ones
+        args, kwargs = _replicate_plain_indices(args, kwargs, _prop.written_kwargs(op))  # raises for differing ones
         return run(op, args, kwargs, compute, rec)
     if rec is None:
         rec = _OPS.get(op) or _op_record(op)
@@ -399,7 +399,7 @@ def _run_on_values(op, args, kwargs):
     return getattr(op, "_op", op)(*args, **kwargs)
 
 
-def _replicate_plain_indices(args, kwargs):
+def _replicate_plain_indices(args, kwargs, written=()):
     """``args``/``kwargs`` with integer and bool plain tensors wrapped as Replicate DTensors.
 
     torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
@@ -417,14 +417,15 @@ def _replicate_plain_indices(args, kwargs):
     from shardprop.tensor.placement import Replicate
     mesh = _first_mesh((args, kwargs))
 
-    def conv(a):
+    def conv(a, read=True):
         t = type(a)
         if t is list or t is tuple:
-            return t(conv(x) for x in a)
+            return t(conv(x, read) for x in a)
         if t is dict:
-            return {k: conv(v) for k, v in a.items()}
+            return {k: conv(v, k not in written) for k, v in a.items()}
         if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            if mesh is None or not _plain.same_on_every_rank_checked(a, mesh):
+            # An out= target is written, never read: its old values need not agree (torch.empty buffers).
+            if mesh is None or (read and not _plain.same_on_every_rank_checked(a, mesh)):
                 raise _plain_tensor_error(a)
             spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
             return DTensor(a, spec)
