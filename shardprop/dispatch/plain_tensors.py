@@ -52,7 +52,8 @@ def digest(t: torch.Tensor) -> int:
     """
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{tuple(t.shape)}{t.dtype}".encode())
-    data = t.detach().to("cpu").contiguous().reshape(-1)
+    # A fresh contiguous copy: a size-1 dim may carry any stride, which a dtype view refuses.
+    data = t.detach().to("cpu").reshape(-1).clone(memory_format=torch.contiguous_format)
     h.update(data.view(torch.uint8).numpy().tobytes())
     return int.from_bytes(h.digest(), "little") >> 1
 
