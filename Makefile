@@ -40,7 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/run_all.py
 
 sweep: $(STAMP)
-	$(PY) bench/op_sweep.py
+	$(PY) bench/op_sweep.py --engine both --json sweep_results.json
 
 # The CUDA tier (tests marked cuda: one GPU; gpu: two or more), skipped where torch sees no GPU;
 # CPU CI never runs it. Its venv (.venv-gpu) takes torch's default build from the registry, the

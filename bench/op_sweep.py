@@ -10,6 +10,7 @@ Usage::
     python bench/op_sweep.py --variants 1d --json sweep.json  # per-op outcomes as JSON
     python bench/op_sweep.py --ops add,mm,view --variants 1d,2d
     python bench/op_sweep.py --engine reference               # torch.distributed.tensor
+    python bench/op_sweep.py --engine both                    # both, side by side (make sweep)
     python bench/op_sweep.py --write-passing                  # update tests/passing_ops.json
 
 Exits with 1 when any op gives a wrong result.
@@ -38,7 +39,8 @@ _MISSING_RULE = re.compile(r"(aten\.[\w.]+) has no sharding rule")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=sorted(ENGINES), default="shardprop")
+    p.add_argument("--engine", choices=sorted(ENGINES) + ["both"], default="shardprop",
+                   help="the engine under test; 'both' runs shardprop, then the reference, and tabulates them")
     p.add_argument("--ops", default="", help="comma-separated op_db keys (default: every float32 op)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--json", metavar="PATH", help="write per-op outcomes here")
@@ -53,7 +55,7 @@ def parse_args(argv=None):
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
-    if args.write_passing and args.engine != "shardprop":
+    if args.write_passing and args.engine == "reference":
         p.error("--write-passing records shardprop's passing ops; drop it for --engine reference")
     return args
 
@@ -131,41 +133,67 @@ def _write_json(path, engine, config, seconds, all_results) -> None:
         json.dump(dict(engine=engine, config=config, seconds=seconds, results=all_results), f, indent=1)
 
 
+def table(by_engine: dict) -> str:
+    """pass / wrong / error (skip) per variant, one column per engine, as a Markdown table.
+
+    Example:
+        >>> print(table({"shardprop": {"1d": {"add": {"outcome": "pass"}}}}))
+        | variant | shardprop: pass / wrong / error (skip) |
+        | --- | --- |
+        | 1d | 1 / 0 / 0 (0) |
+    """
+    engines = list(by_engine)
+    variants = [v for v in VARIANTS if any(v in by_engine[e] for e in engines)]
+    lines = ["| variant | " + " | ".join(f"{e}: pass / wrong / error (skip)" for e in engines) + " |",
+             "| --- |" + " --- |" * len(engines)]
+    for v in variants:
+        cells = []
+        for e in engines:
+            c = collections.Counter(r["outcome"] for r in by_engine[e].get(v, {}).values())
+            cells.append(f"{c['pass']} / {c['wrong']} / {c['error']} ({c['skip']})" if c else "-")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    engines = ["shardprop", "reference"] if args.engine == "both" else [args.engine]
     pool = RankPool(4, timeout=120.0, collective_timeout=15.0)
+    by_engine, seconds = {}, {}
     try:
         ops = [o for o in args.ops.split(",") if o] or pool.run(list_op_keys, timeout=300)[0]
-        print(f"{len(ops)} ops, variants {args.variants}, engine {args.engine} "
+        print(f"{len(ops)} ops, variants {args.variants}, engines {engines} "
               f"(pool up in {time.perf_counter() - t_start:.0f} s)", flush=True)
         kw = dict(max_samples=args.max_samples, max_combos=args.max_combos)
-        all_results, seconds = {}, {}
-        for variant in args.variants:
-            t0 = time.perf_counter()
-            all_results[variant] = run_checks(pool, ops, variant, args.engine, chunk=args.chunk,
-                                              timeout_per_op=args.timeout,
-                                              progress=_progress(len(ops), variant, t0), **kw)
-            seconds[variant] = time.perf_counter() - t0
-            print(summarize(variant, all_results[variant], seconds[variant], args.top), flush=True)
-            if args.json:  # after each variant: a long sweep that dies later keeps what it has
-                _write_json(args.json, args.engine, kw, seconds, all_results)
+        for engine in engines:
+            all_results = by_engine[engine] = {}
+            secs = seconds[engine] = {}
+            for variant in args.variants:
+                t0 = time.perf_counter()
+                all_results[variant] = run_checks(pool, ops, variant, engine, chunk=args.chunk,
+                                                  timeout_per_op=args.timeout,
+                                                  progress=_progress(len(ops), variant, t0), **kw)
+                secs[variant] = time.perf_counter() - t0
+                print(f"[{engine}] " + summarize(variant, all_results[variant], secs[variant], args.top), flush=True)
+                if args.json:  # after each variant: a long sweep that dies later keeps what it has
+                    _write_json(args.json, args.engine, kw, seconds if args.engine == "both" else secs,
+                                by_engine if args.engine == "both" else all_results)
     finally:
         pool.shutdown()
-    print("\noutcomes per variant:")
-    width = max(len(v) for v in all_results)
-    print(" " * width + "".join(f"{k:>8}" for k in OUTCOMES))
-    for v, results in all_results.items():
-        c = collections.Counter(r["outcome"] for r in results.values())
-        print(f"{v:<{width}}" + "".join(f"{c[k]:>8}" for k in OUTCOMES))
+    import torch
+    print(f"\noutcomes per variant ({len(ops)} op_db entries, torch {torch.__version__}):")
+    print(table(by_engine))
     print(f"total {time.perf_counter() - t_start:.0f} s")
     if args.json:
         print(f"wrote {args.json}")
     if args.write_passing:
-        write_passing(all_results)
+        write_passing(by_engine["shardprop"])
         print(f"updated {os.path.relpath(PASSING_PATH, REPO)}")
-    # A wrong result is a silent correctness bug: fail the run (errors are only missing coverage).
-    return 1 if any(r["outcome"] == "wrong" for res in all_results.values() for r in res.values()) else 0
+    # A wrong result of shardprop is a silent correctness bug: fail the run (errors are only missing
+    # coverage; the reference's results are reported, not judged).
+    mine = by_engine.get("shardprop", by_engine.get(args.engine, {}))
+    return 1 if any(r["outcome"] == "wrong" for res in mine.values() for r in res.values()) else 0
 
 
 if __name__ == "__main__":

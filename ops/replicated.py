@@ -14,7 +14,9 @@ Two paths:
 
 ``as_strided`` and friends read the input's storage: they are right on a replicated
 copy only when the global tensor is dense (no gaps between its elements, which a copy
-would fill with garbage) and the view stays inside it; the rule offers nothing otherwise.
+would fill with garbage) and the view stays inside it (a ``storage_offset`` counts from the
+DTensor's first element, its global tensor taken as its own storage, as for a fresh contiguous
+tensor); otherwise the rule raises a ``ShardingError`` naming the op, the placements and why.
 
 Example:
     >>> x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])  # doctest: +SKIP
@@ -25,16 +27,18 @@ from __future__ import annotations
 
 import torch
 
+from shardprop.dispatch import dispatcher as _dispatcher
 from shardprop.dispatch.dispatcher import (
     _plain_tensor_error,
     register_special,
     same_on_every_rank,
     wrap,
 )
+from shardprop.dispatch.plain_tensors import joins_as_replicate
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.mesh.compat import aten_ops
 from shardprop.dispatch.registry import register_local_call, rule
-from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.dtensor import DTensor, local_chunk
 from shardprop.tensor.placement import Replicate
 from shardprop.tensor.redistribute import redistribute_local
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
@@ -68,6 +72,10 @@ REPLICATED = [
     (["linspace", "logspace"], ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor")),
     # ops over lists of tensors of different shapes
     (["_chunk_cat", "block_diag"], None),
+    # random draws over whole rows or windows: every rank draws the whole result from its generator,
+    # in step with the others' (random_ops), so all hold what one process draws
+    (["multinomial", "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_backward"], None),
+    (["rrelu_with_noise_backward"], None),
 ]
 
 # Output shape depends on the values, or no meta kernel: run on the gathered inputs.
@@ -77,6 +85,7 @@ RUN_WHOLE = [
       "linalg_lstsq", "allclose", "bincount", "_unique"], ("default",)),
     (["repeat_interleave"], ("Tensor",)),
     (["histogram"], ("bins_tensor", "bin_ct")),
+    (["fractional_max_pool3d_backward"], ("default",)),  # no meta kernel
 ]
 
 # Read raw storage: replicated and dense only (see the module docstring).
@@ -120,21 +129,29 @@ def _dense(shape, stride) -> bool:
 def strided(ctx):
     x = ctx.specs[0]
     size, stride = arg(ctx, "size"), arg(ctx, "stride")
-    offset = arg(ctx, "storage_offset", None)
-    if offset is not None or not _dense(x.shape, x.tensor_meta.stride):
-        return []  # an explicit offset is relative to a storage the global tensor does not describe
+    # A DTensor's storage is its dense global tensor, starting at its first element (offset 0),
+    # as for a fresh contiguous tensor; an offset counts from there.
+    offset = arg(ctx, "storage_offset", None) or 0
+    if not _dense(x.shape, x.tensor_meta.stride):
+        raise ShardingError(f"{ctx.op}: the DTensor (placements {list(x.placements)}, shape {tuple(x.shape)}, "
+                            f"stride {x.tensor_meta.stride}) is not dense, so it has no storage to view; "
+                            "call .contiguous() first")
     numel = x.tensor_meta.shape.numel()
     if any(n == 0 for n in size):
         return [replicate_option(ctx)]
-    last = sum((n - 1) * s for n, s in zip(size, stride))
-    return [replicate_option(ctx)] if 0 <= last < numel and min(stride, default=0) >= 0 else []
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if offset >= 0 and 0 <= last < numel and min(stride, default=0) >= 0:
+        return [replicate_option(ctx)]
+    raise ShardingError(f"{ctx.op}: size {list(size)}, stride {list(stride)}, storage_offset {offset} reaches "
+                        f"outside the DTensor's {numel} elements (placements {list(x.placements)}); a DTensor's "
+                        "storage is its own global tensor, nothing before or after it")
 
 
 def _with_global_strides(op, out, largs, lkwargs):
     """Run on a copy of the input laid out with the global tensor's strides (storage order matters)."""
     m = out.in_specs[0].tensor_meta
     x = largs[0]
-    if tuple(x.stride()) != tuple(m.stride):
+    if tuple(x.stride()) != tuple(m.stride) or x.storage_offset() != 0:
         x = torch.empty_strided(m.shape, m.stride, dtype=x.dtype, device=x.device).copy_(x)
     return op(x, *largs[1:], **lkwargs)
 
@@ -157,7 +174,8 @@ def _gathered(args, mesh_box):
         return redistribute_local(args._local_tensor, spec, (R,) * spec.mesh.ndim)
     if t is list or t is tuple:
         return t(_gathered(a, mesh_box) for a in args)
-    if isinstance(args, torch.Tensor) and args.dim() > 0 and not same_on_every_rank(args):
+    if isinstance(args, torch.Tensor) and args.dim() > 0 and not (
+            joins_as_replicate(args, mesh_box[0], bool(_dispatcher.implicit_replication)) is True if mesh_box else same_on_every_rank(args)):
         raise _plain_tensor_error(args)
     return args
 
@@ -185,3 +203,28 @@ def run_whole(op, args, kwargs):
 
 for _op in _ops(RUN_WHOLE):
     register_special(_op, run_whole)
+
+
+# ------------------------------------------------------------------ rrelu
+def _rrelu_with_noise(op, args, kwargs):
+    """``rrelu_with_noise(self, noise, ...)`` draws ``noise`` in place: run it on the full tensors on every
+    rank (generators in step: what one process draws), then keep each rank's chunk of output and noise.
+
+    Example:
+        >>> torch.nn.functional.rrelu(x, training=True)  # x a DTensor  # doctest: +SKIP
+    """
+    x, noise = args[0], args[1]
+    if not isinstance(x, DTensor):
+        raise ShardingError(f"{op}: expected a DTensor input, got {type(x).__name__}")
+    mesh = x._spec.mesh
+    full_x = _gathered(x, [])
+    full_noise = _gathered(noise, []).clone() if isinstance(noise, DTensor) else noise
+    out = op(full_x, full_noise, *args[2:], **(kwargs or {}))
+    if isinstance(noise, DTensor):
+        noise._local_tensor.copy_(local_chunk(full_noise, mesh, noise._spec.placements))
+    spec = DTensorSpec(mesh, x._spec.placements, TensorMeta(out.shape, out.stride(), out.dtype))
+    return wrap(local_chunk(out, mesh, x._spec.placements), spec)
+
+
+for _op in aten_ops(["rrelu_with_noise"], ("default",)):
+    register_special(_op, _rrelu_with_noise)

@@ -398,3 +398,25 @@ def _inplace_handler(op, args, kwargs):
 
 for _op in INPLACE:
     _dispatch.register_special(_op, _inplace_handler)
+
+
+# ------------------------------------------------------------------ tensor_split by a tensor
+def _tensor_split_by_tensor(op, args, kwargs):
+    """``tensor_split(x, t, dim)`` with split points (or a section count) in a tensor ``t``: read ``t``'s
+    values (gathered, when a DTensor) and split by them. This composite reaches the dispatcher whole
+    only under ``torch.inference_mode()``; with autograd on, torch's C++ kernel reads ``t``'s memory
+    directly and a DTensor ``t`` fails there before any DTensor code runs (pass a list or a plain tensor).
+
+    Example:
+        >>> torch.tensor_split(x, torch.tensor([1, 3]))  # x a DTensor, under inference_mode  # doctest: +SKIP
+    """
+    x, t = args[0], args[1]
+    dim = args[2] if len(args) > 2 else (kwargs or {}).get("dim", 0)
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    if t.ndim == 0:
+        return aten.tensor_split.sections(x, int(t.item()), dim)
+    return aten.tensor_split.indices(x, [int(v) for v in t.tolist()], dim)
+
+
+_dispatch.register_special(aten.tensor_split.tensor_indices_or_sections, _tensor_split_by_tensor)

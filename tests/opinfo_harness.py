@@ -19,8 +19,10 @@ Mesh variants (``VARIANTS``):
 
 Outcomes: ``"pass"`` (every checked combination equal), ``"wrong"`` (a result differs
 without raising: the worst), ``"error"`` (raised; the first exception is recorded),
-``"skip"`` (nothing to check: no float32 or autograd support, random ops, samples that
-differ between ranks). Ranks agree after every sample and combination through a process
+``"skip"`` (nothing to check: no float32 or autograd support, results that depend on the
+seed (random ops OpInfo does not reseed, uninitialized memory), samples that differ between
+ranks). Ops that draw random numbers under a seed of their own (OpInfo's ``wrapper_set_seed``:
+dropout, svd_lowrank, ...) are checked against what one process draws. Ranks agree after every sample and combination through a process
 group of the harness's own, so an error on some ranks only is reported, not a hang. Rank side: ``check_opinfo`` / ``check_many`` run on every
 rank of a gloo world of 4 (``tests.rankpool``); parent side: ``run_checks`` batches ops
 into pool runs and isolates an op that hangs or kills a rank::
@@ -407,52 +409,26 @@ class _Reference(NamedTuple):
 
 
 def _reference(op, sample):
-    """Plain torch on full tensors: (_Reference, is the op random?)."""
+    """Plain torch on full tensors: (_Reference, do its results depend on the seed?)."""
     import torch
 
     leaves, spec = _leaves(sample)
     full = _full_inputs(leaves)
     runs = []
-    spy = _SeededOpSpy()
     for seed in (1, 2):
         copies = _full_inputs(full)
         torch.manual_seed(seed)
-        with spy:
-            runs.append((copies, _call(op, spec, copies)))
+        runs.append((copies, _call(op, spec, copies)))
     copies, out = runs[0]
     mutated = tuple(i for i, x in enumerate(full) if _is_tensor(x) and not _same(copies[i], x))
-    # Random ops (dropout, normal, ...) have no single right answer to compare with: a DTensor
-    # engine draws each shard's numbers its own way. OpInfo wraps many of them in a fixed seed,
-    # so look for seeded aten ops as well as for results that change with the seed.
-    random_op = spy.seen or not _same(runs[0][1], runs[1][1])
-    return _Reference(full, spec, out, mutated, {i: copies[i] for i in mutated}), random_op
-
-
-def _seeded_op_spy_class():
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class SeededOpSpy(TorchDispatchMode):
-        """Notes whether any aten op that draws random numbers runs."""
-
-        seen = False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if torch.Tag.nondeterministic_seeded in func.tags:
-                self.seen = True
-            return func(*args, **(kwargs or {}))
-
-    return SeededOpSpy
-
-
-def _SeededOpSpy():
-    global _spy_class
-    if _spy_class is None:
-        _spy_class = _seeded_op_spy_class()
-    return _spy_class()
-
-
-_spy_class = None
+    # A sample whose result changes with the seed (or with uninitialized memory: empty_like) has no
+    # single right answer: the op is skipped. One that draws random numbers yet gives the same result under
+    # two seeds (OpInfo reseeds inside: svd_lowrank, dropout, ...) is checked like any other, the
+    # engine run after the same torch.manual_seed on every rank: the values one process draws are
+    # the right answer (shardprop's random ops reproduce them; see dispatch/random_ops.py).
+    seed_dependent = not (_same(runs[0][1], runs[1][1])
+                          and all(_same(runs[0][0][i], runs[1][0][i]) for i in mutated))
+    return _Reference(full, spec, out, mutated, {i: copies[i] for i in mutated}), seed_dependent
 
 
 def _same(a, b) -> bool:
@@ -650,7 +626,10 @@ def _check_one(op, op_name, variant, eng, mesh, max_samples, max_combos, seed, t
         # Every rank must take the same path through the collectives below, and plain torch
         # need not agree with itself across ranks (uninitialized memory: empty_like, ...).
         states = _sync_codes(state)
-        if len(set(states)) > 1 or state == _RANDOM:
+        if len(set(states)) > 1:
+            return result(SKIP, "results differ between ranks (random or uninitialized memory)")
+        if state == _RANDOM:  # one sample reading the seed or uninitialized memory: the op's others
+            # may agree with plain torch by chance (an empty_like that happened to get zeros)
             return result(SKIP, "results differ between runs (random or uninitialized memory)")
         if state == _NOTHING:
             continue

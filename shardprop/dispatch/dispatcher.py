@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only  # off the hot path: cross-mesh calls only
 
+from shardprop.dispatch import plain_tensors as _plain
 from shardprop.dispatch import propagate as _prop
 from shardprop.dispatch.method_calls import local_callable
 from shardprop.dispatch.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
@@ -105,12 +106,16 @@ class PlainTensorError(_prop.ShardingError):
     """A plain (non-0-dim) torch.Tensor mixed with DTensors; ``run`` retries integer/bool/all-zero ones as Replicate."""
 
 
-def _plain_tensor_error(a) -> Exception:
+def _plain_tensor_error(a, differs: bool = False) -> Exception:
     # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
+    why = ("that torch made inside the op but that is not the same on every rank" if differs else
+           "(only 0-dim tensors, Python scalars, integer/bool tensors and what torch's own code makes inside "
+           "an op, verified identical on every rank, join as replicated; inside "
+           "shardprop.implicit_replication() plain tensors join as Replicate)")
     return PlainTensorError(
-        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)}; only 0-dim "
-        "tensors and Python scalars are treated as replicated. Make it a DTensor first with "
-        "shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements).")
+        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)} {why}. Make it "
+        "a DTensor first with shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, "
+        "placements).")
 
 
 def _flatten(seq, largs: list, key: list) -> None:
@@ -217,7 +222,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             split = _split_positions(op, args, kwargs, compute, rec)
             if split is not _NOT_SPLIT:
                 return split
-        args, kwargs = _replicate_plain_indices(args, kwargs)  # raises again for non-zero floating ones
+        args, kwargs = _replicate_plain_indices(args, kwargs, _prop.written_kwargs(op))  # raises for differing ones
         return run(op, args, kwargs, compute, rec)
     if rec is None:
         rec = _OPS.get(op) or _op_record(op)
@@ -400,16 +405,15 @@ def _run_on_values(op, args, kwargs):
     return getattr(op, "_op", op)(*args, **kwargs)
 
 
-def _replicate_plain_indices(args, kwargs):
+def _replicate_plain_indices(args, kwargs, written=()):
     """``args``/``kwargs`` with integer and bool plain tensors wrapped as Replicate DTensors.
 
     torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
     ``aten.index(x, [tensor([1, 2])])``), so they hold the same values on every rank.
-    All-zero floating tensors are the same on every rank too: torch's backward formulas
-    build them (``at::zeros``) and mix them with the gradients; during a backward pass so are
-    all-one ones (``at::ones``: torch 2.11's cumprod backward). Other floating plain
-    tensors are usually data (a rank-local shard, a random tensor), so they still raise:
-    guessing them replicated could silently give a wrong result.
+    Floating ones join only when verified identical on every rank (``plain_tensors``: what
+    torch's composites and backward formulas build inside an op, ``eye``, tolerances,
+    zeros); one that differs between ranks raises on every rank: guessing it replicated
+    would silently give a wrong result.
 
     Example:
         >>> _replicate_plain_indices((x, [torch.tensor([1, 2])]), None)  # x a DTensor  # doctest: +SKIP
@@ -419,15 +423,19 @@ def _replicate_plain_indices(args, kwargs):
     from shardprop.tensor.placement import Replicate
     mesh = _first_mesh((args, kwargs))
 
-    def conv(a):
+    def conv(a, read=True):
         t = type(a)
         if t is list or t is tuple:
-            return t(conv(x) for x in a)
+            return t(conv(x, read) for x in a)
         if t is dict:
-            return {k: conv(v) for k, v in a.items()}
+            return {k: conv(v, k not in written) for k, v in a.items()}
         if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            if mesh is None or not same_on_every_rank(a):
+            # An out= target is written, never read: its old values need not agree (torch.empty buffers).
+            if mesh is None:
                 raise _plain_tensor_error(a)
+            verdict = _plain.joins_as_replicate(a, mesh, bool(implicit_replication)) if read else True
+            if verdict is not True:
+                raise _plain_tensor_error(a, verdict is _plain.DIFFERS)
             spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
             return DTensor(a, spec)
         return a
@@ -442,9 +450,7 @@ def same_on_every_rank(t) -> bool:
         >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
         (True, False)
     """
-    if implicit_replication or not (t.is_floating_point() or t.is_complex()) or not bool(t.any()):
-        return True
-    return torch._C._current_graph_task_id() != -1 and bool((t == 1).all())  # in a backward formula
+    return bool(implicit_replication) or _plain.local_rule(t)
 
 
 def _first_mesh(a):
