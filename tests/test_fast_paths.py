@@ -13,20 +13,10 @@ import subprocess
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tests.rankpool import run_on_ranks
-
-
-class MLP(nn.Module):
-    def __init__(self, bias=True):
-        super().__init__()
-        self.up = nn.Linear(8, 16, bias=bias)
-        self.down = nn.Linear(16, 8, bias=bias)
-
-    def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
+from tests.test_tp_fused_linear import MLP  # the same Colwise -> Rowwise MLP
 
 
 def _model(fast_at_parallelize: bool):
