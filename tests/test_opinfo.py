@@ -174,7 +174,8 @@ def test_harness_random_ops_under_their_own_seed_are_checked():
     # shardprop's random ops reproduce it.
     res = run_checks(get_pool(4), ["empty_like", "new_empty", "rand_like"], "1d", **CHECK_ARGS)
     assert [r["outcome"] for r in res.values()] == [SKIP, SKIP, PASS], res
-    assert "results differ between runs" in res["empty_like"]["detail"], res["empty_like"]
+    # which check sees it first (between ranks or between runs) depends on the allocator: either skips
+    assert "random or uninitialized memory" in res["empty_like"]["detail"], res["empty_like"]
 
 
 def test_harness_reports_nondeterministic_samples():
