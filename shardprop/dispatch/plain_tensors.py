@@ -13,8 +13,8 @@ calls) is torch's own code (a Python composite such as ``svd_lowrank``, ``masked
 wrapper, an ``nn`` module) or the user's. A tensor torch made joins once the ranks verify it: integer
 and bool tensors as they are (torch builds them from Python lists: indices, masks); a floating one
 when every rank of the mesh holds bit-identical values, which one all-gather of an 8-byte digest
-per tensor verifies. A tensor the user passes straight to an op raises, as torch's DTensor does,
-unless ``implicit_replication()`` is active (then it joins unchecked, as in torch); inside a backward
+per tensor verifies. A tensor of more than one element that the user passes straight to an op raises, as torch's DTensor
+does, unless ``implicit_replication()`` is active (then it joins unchecked, as in torch); inside a backward
 pass, what torch's formulas build (zeros, ones) is verified the same way. C++ composites called directly by the user (``linalg.matrix_power(x, 0)``) look like
 the user's own call and are refused with the same clear error. A tensor that differs between ranks
 raises on every rank alike, so none is left waiting in a collective. Whether to check depends only
@@ -154,6 +154,6 @@ def joins_as_replicate(t: torch.Tensor, mesh, implicit: bool):
     if implicit or not needs_check(t):
         return True
     # Never decide on values here: every rank must agree on whether to run the digest's collective.
-    if torch._C._current_graph_task_id() == -1 and not made_by_torch():
-        return False
+    if t.numel() != 1 and torch._C._current_graph_task_id() == -1 and not made_by_torch():
+        return False  # one element: torch's DTensor takes those as replicated too (ours verifies them)
     return True if same_on_every_rank_checked(t, mesh) else DIFFERS
