@@ -187,9 +187,7 @@ def _avg(n: int):
 # complete before they return; with ``async_op`` their AsyncTensor is already done.
 
 def _staged(call: str, t: torch.Tensor, group) -> bool:
-    """Whether ``call`` of ``t`` goes through host memory (one attribute test for CPU tensors)."""
-    if t.is_cpu and not staging._forced:
-        return False
+    """Whether ``call`` of ``t`` goes through host memory; callers test ``t.is_cpu`` / ``_forced`` first."""
     if type(t) is not torch.Tensor and is_traced(t):
         return False
     return staging.decide(call, t, group) == staging.STAGE
@@ -528,7 +526,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
         >>> out = torch.empty(4)  # doctest: +SKIP
         >>> send_recv([(mine, 1, 0)], [(out, 1, 0)], p2p_group(mesh), out)  # ranks 0 and 1 swap  # doctest: +SKIP
     """
-    probe = next((v for v, _, _ in list(sends) + list(recvs)), result)
+    probe = sends[0][0] if sends else recvs[0][0] if recvs else result
     if (not probe.is_cpu or staging._forced) and _staged("send_recv", probe, group):
         return _send_recv_staged(sends, recvs, group, result, async_op, finish, finish_shape, keep)
     if _counters:

@@ -109,8 +109,8 @@ class PlainTensorError(_prop.ShardingError):
 def _plain_tensor_error(a, differs: bool = False) -> Exception:
     # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
     why = ("that torch made inside the op but that is not the same on every rank" if differs else
-           "(only 0-dim tensors, Python scalars, integer/bool tensors and what torch's own code makes inside "
-           "an op, verified identical on every rank, join as replicated; inside "
+           "(only 0-dim and one-element tensors, Python scalars, integer/bool tensors and what torch's own code "
+           "makes inside an op, verified identical on every rank, join as replicated; inside "
            "shardprop.implicit_replication() plain tensors join as Replicate)")
     return PlainTensorError(
         f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)} {why}. Make it "

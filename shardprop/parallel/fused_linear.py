@@ -232,7 +232,7 @@ class FusedLinear:
             # after the reduction) would get its gradient before the matmul's backward reads the weight:
             # fully_shard frees the gathered weight once every trainable gradient is in. DTensor path for both.
             return self.hooked(module, x)
-        if not self._on_mesh(module.weight, b):
+        if not on_mesh(self.mesh, module.weight, b):
             return self.hooked(module, x)  # parameters moved off the style's mesh: the engine says what is wrong
         if _fast.recording():
             have = x.placements if isinstance(x, DTensor) else self.placements(self.in_layout, ndim)
@@ -257,7 +257,7 @@ class FusedLinear:
         """
         x = input
         if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
-                or not self._on_mesh(module.weight, None):
+                or not on_mesh(self.mesh, module.weight, None):
             return self.hooked(module, x)
         if _fast.recording():
             return _fast.run_recorded("embedding (local)", f"fast path: {self.what}", (_R,), _MESH_DIM,
@@ -276,13 +276,6 @@ class FusedLinear:
         y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
         return self._output(y, _P, out, None)
 
-    def _on_mesh(self, w, b) -> bool:
-        """Whether the parameters are DTensors on the style's mesh (not, e.g., fully_shard's resharded 2-D ones)."""
-        mesh = self.mesh
-        for p in (w, b):
-            if p is not None and (not isinstance(p, DTensor) or (p._spec.mesh is not mesh and p._spec.mesh != mesh)):
-                return False
-        return True
 
     def _rows(self, w) -> tuple:
         """(first row, number of rows) of this rank's vocabulary shard of ``w`` (cached per spec)."""
@@ -355,6 +348,20 @@ class FusedLinear:
 # input layout, local input). Cleared by the first backward through any node below, so it keeps an
 # activation alive only from one forward to its backward (or to the next forward).
 _last_input = None
+
+
+def on_mesh(mesh, *params) -> bool:
+    """Whether each of ``params`` (None: absent) is a DTensor on ``mesh``: fully_shard's resharded
+    parameters, for one, are not, and the fast paths leave those to the engine (which says what is wrong).
+
+    Example:
+        >>> on_mesh(mesh, linear.weight, linear.bias)  # both parallelized over mesh  # doctest: +SKIP
+        True
+    """
+    for p in params:
+        if p is not None and (not isinstance(p, DTensor) or (p._spec.mesh is not mesh and p._spec.mesh != mesh)):
+            return False
+    return True
 
 
 def _forget_input() -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
 from shardprop.parallel.autograd_apply import direct_apply
-from shardprop.parallel.fused_linear import LocalOf, WrapLocal
+from shardprop.parallel.fused_linear import LocalOf, WrapLocal, on_mesh
 from shardprop.parallel.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Shard
@@ -68,14 +68,10 @@ class FusedNorm:
             d = self.sequence_dim + ndim if self.sequence_dim < 0 else self.sequence_dim
             seq = self._seq[ndim] = (Shard(d),) if 0 <= d < ndim - len(module.normalized_shape) else ()
         w, b = module.weight, getattr(module, "bias", None)
-        if not seq or (w is not None and not isinstance(w, DTensor)) or (b is not None and not isinstance(b, DTensor)):
-            return self.hooked(module, x)  # the sequence dim is normalized over, or plain parameters
-        mesh = self.mesh
-        wm = mesh if w is None else w._spec.mesh
-        bm = mesh if b is None else b._spec.mesh
-        if (wm is not mesh and wm != mesh) or (bm is not mesh and bm != mesh) or \
-                (isinstance(x, DTensor) and x._spec.mesh != mesh):
-            return self.hooked(module, x)  # off the style's mesh (fully_shard's resharded parameters): engine errors
+        if not seq or not on_mesh(self.mesh, w, b) or (isinstance(x, DTensor) and x._spec.mesh != self.mesh):
+            # the sequence dim is normalized over, or plain parameters or ones off the style's mesh
+            # (fully_shard's resharded parameters): the engine path, which errors clearly where it must
+            return self.hooked(module, x)
         if _fast.recording():
             have = x.placements if isinstance(x, DTensor) else seq
             name = "rms_norm (local)" if type(module) is nn.RMSNorm else "layer_norm (local)"
