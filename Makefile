@@ -50,6 +50,8 @@ sweep: $(STAMP)
 #   make test-gpu GPU_PY=.venv/bin/python   on a CPU machine: every test skips
 #   make bench-gpu                     the CUDA benchmarks (dispatch hot path, TP step)
 GPU_TORCH ?= 2.15.0
+# Extra pytest arguments for the tier, e.g. GPU_PYTEST_ARGS="-n 6" (pytest-xdist) to fit a short lease.
+GPU_PYTEST_ARGS ?=
 GPU_VENV := .venv-gpu
 GPU_PY ?= $(GPU_VENV)/bin/python
 GPU_STAMP := $(if $(filter $(GPU_VENV)/bin/python,$(GPU_PY)),$(GPU_VENV)/.installed)
@@ -63,7 +65,7 @@ $(GPU_VENV)/.installed: pyproject.toml
 
 test-gpu: $(GPU_STAMP)
 	$(GPU_PY) -c "import torch; print('torch', torch.__version__, 'CUDA devices:', torch.cuda.device_count() if torch.cuda.is_available() else 0)"
-	SHARDPROP_TEST_COLLECTIVE_TIMEOUT=300 $(GPU_PY) -m pytest -q -p no:cacheprovider -rs -m "cuda or gpu" tests
+	SHARDPROP_TEST_COLLECTIVE_TIMEOUT=300 $(GPU_PY) -m pytest -q -p no:cacheprovider -rs -m "cuda or gpu" $(GPU_PYTEST_ARGS) tests
 
 bench-gpu: $(GPU_STAMP)
 	$(GPU_PY) bench/dispatch.py --device cuda
