@@ -12,9 +12,10 @@ Every parameter of a unit gets a *slot* in these flat buffers:
   regions (rank ``r``'s piece lands in rows ``[r*chunk, (r+1)*chunk)``: no copy on
   NCCL), or by one copy from a flat all-gather of the shard buffers (:meth:`copy_out`;
   cheaper on gloo, whose coalesced all-gather copies anyway);
-* the **packed gradients** ([dp, shard numel], reduce dtype, per backward): rank ``r``'s
+* the **packed gradients** ([dp, grad numel], reduce dtype, per backward): rank ``r``'s
   piece of every gradient in row ``r``, so one flat reduce-scatter leaves each rank a
-  buffer laid out like its shard buffer; the sharded gradients are views of it.
+  buffer laid out like the trainable prefix of its shard buffer (trainable slots come first
+  there); the sharded gradients are views of it. Frozen parameters are not in it.
 
 A parameter sharded on a dim other than 0 (2-D meshes, where tp already splits
 dim 0) is gathered piece-major and rearranged by the copy; a ``REPLICATED`` slot
@@ -109,10 +110,15 @@ class UnitBuffers:
         self.reduce_dtype = reduce_dtype
         off = full = 0
         for s in slots:
-            s.shard_off, s.full_off = off, full
-            off += s.slot_numel
+            s.full_off = full
             full += s.region_numel if s.dim == 0 else math.prod(s.full_shape)
+        # Trainable slots first in the shard layout: their gradients are then a prefix of it, and the
+        # reduce-scatter carries that prefix alone (frozen parameters get no gradient and no traffic).
+        for s in sorted(slots, key=lambda s: not s.requires_grad):
+            s.shard_off = off
+            off += s.slot_numel
         self.shard_numel, self.full_numel = off, full
+        self.grad_numel = sum(s.slot_numel for s in slots if s.requires_grad)
         # The shard buffer lives on ``shard_device`` (the host, with CPUOffloadPolicy), the rest on ``device``.
         self.shard = torch.zeros(off, dtype=param_dtype, device=shard_device or device, pin_memory=pin_memory)
         # Allocated until fully_shard has made the full views (set_ checks bounds), then freed.
@@ -201,7 +207,7 @@ class UnitBuffers:
 
     # ---- gradients ------------------------------------------------------------------
     def pack_gradient(self, s: ParamSlot, packed: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
-        """Copy ``grad`` (or zeros) into the reduce-scatter input ``packed`` ([dp, shard numel]).
+        """Copy ``grad`` (or zeros) of a trainable slot into the reduce-scatter input ``packed`` ([dp, grad numel]).
 
         Rank ``r``'s piece of every gradient goes to row ``r`` at the slot's offset, so one
         reduce-scatter of ``packed`` leaves each rank its pieces, laid out like the shard buffer.

@@ -124,6 +124,10 @@ def pre_forward(module, args, kwargs):
     """
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
+    if _in_backward():  # an activation-checkpoint recomputation: compute with the full parameters again
+        unit.wait_unsharded()
+        unit.swap_in()
+        return _cast_inputs(unit, args, kwargs)
     if _active_root is None:  # the outermost unit of this forward is the root
         state = root_state_of(unit)
         for u in state.units:
@@ -140,6 +144,8 @@ def pre_forward(module, args, kwargs):
         nxt.unshard()  # prefetch: overlaps this unit's forward
     unit.swap_in()
     unit.ran_forward = True
+    if unit.has_frozen and torch.is_grad_enabled():
+        _when_inputs_done(unit, args, kwargs)
     return _cast_inputs(unit, args, kwargs)
 
 
@@ -151,6 +157,8 @@ def post_forward(module, args, kwargs, output):
     """
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
+    if _in_backward():  # a recomputation: backward keeps the parameters until the unit's gradients are in
+        return _cast_output(unit, output)
     state = _active_root
     unit.swap_out()
     grad = torch.is_grad_enabled()
@@ -170,10 +178,26 @@ def post_forward(module, args, kwargs, output):
         _active_root = None
     if grad:
         _register_pre_backward(unit, state, output)
+    return _cast_output(unit, output)
+
+
+def _cast_output(unit: FSDPUnit, output):
     dt = unit.mp_policy.output_dtype
     if dt is not None:
         output = tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, output)
     return output
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _when_inputs_done(unit: FSDPUnit, args, kwargs) -> None:
+    """Call ``unit.inputs_done()`` once backward has computed the gradients of the unit's inputs."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:  # else the end of backward releases the unit
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: unit.inputs_done())
 
 
 def _register_pre_backward(unit: FSDPUnit, state: RootState, output) -> None:
@@ -192,6 +216,7 @@ def _register_pre_backward(unit: FSDPUnit, state: RootState, output) -> None:
         if unit.unshard_in_backward:
             unit.wait_unsharded()
         unit.start_backward()
+        unit.swap_in_for_backward()
         for prev in state.next_in_backward(unit):
             if prev.unshard_in_backward:
                 prev.unshard()  # prefetch: overlaps this unit's backward

@@ -97,6 +97,11 @@ class FSDPUnit:
         self._partial = None       # HSDP without all-reduce: reduce-scattered gradients summed so far
         self.ran_forward = False
         self.backward_started = False
+        # A frozen parameter's matmul backward may run after every trainable gradient is in (LoRA): a
+        # unit holding one keeps its gathered parameters until backward has passed its inputs.
+        self.has_frozen = any(not s.requires_grad for s in slots)
+        self._grads_done = False   # this backward: post_backward ran (every trainable gradient is in)
+        self._inputs_done = False  # this backward: the gradients of the unit's inputs are computed
         self._into_views = gather_into_views(dp_mesh) and not offload
         self._async_gather = async_gather(dp_mesh)
         for s in slots:
@@ -221,11 +226,30 @@ class FSDPUnit:
         for s in self.slots:
             s.module._parameters[s.name] = s.sharded
 
+    def swap_in_for_backward(self) -> None:
+        """Backward reached the unit: the full parameters go back in, for a recomputation (activation
+        checkpointing) to see what the forward saw; :meth:`release_after_backward` takes them out."""
+        if self._unsharded or self.buffers is None:
+            self.swap_in()
+
     # ---- gradients -------------------------------------------------------------------
     def start_backward(self) -> None:
         """Backward reached this unit: count the gradients to wait for before its reduce-scatter."""
         self._grad_pending = sum(1 for s in self.slots if s.requires_grad)
         self.backward_started = True
+        self._grads_done = self._inputs_done = False
+
+    def inputs_done(self) -> None:
+        """The gradients of the unit's inputs are computed: nothing in the unit reads its parameters any more."""
+        self._inputs_done = True
+        if self._grads_done or self._grad_pending <= 0:
+            self.release_after_backward()
+
+    def release_after_backward(self) -> None:
+        """Sharded parameters back in the modules; free the full buffer (if ``reshard_after_backward``)."""
+        self.swap_out()
+        if self.reshard_after_backward:
+            self.reshard()
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self.backward_started:
@@ -235,11 +259,16 @@ class FSDPUnit:
             self.post_backward()
 
     def post_backward(self) -> None:
-        """The unit's gradients are all there: start their reduce-scatter, free the full buffer."""
+        """The unit's gradients are all there: start their reduce-scatter, free the full buffer.
+
+        With a frozen parameter in the unit the full buffer waits for :meth:`inputs_done` (or the
+        end of backward): the frozen parameter's own backward may come after every gradient.
+        """
         if self.requires_gradient_sync and any(s.requires_grad for s in self.slots):
             self._launch_reduce()
-        if self.reshard_after_backward:
-            self.reshard()
+        self._grads_done = True
+        if not self.has_frozen or self._inputs_done:
+            self.release_after_backward()
         self.backward_started = False
         self._grad_pending = -1  # done for this backward
 
@@ -261,14 +290,15 @@ class FSDPUnit:
         if _in_flight is not None:
             _in_flight.complete_reduce()
         b = self.buffers
-        packed = torch.empty((self.dp_mesh.size(), b.shard_numel), dtype=b.reduce_dtype, device=b.full.device)
+        packed = torch.empty((self.dp_mesh.size(), b.grad_numel), dtype=b.reduce_dtype, device=b.full.device)
         factor = self.gradient_divide_factor
         if factor is None and self.force_sum_reduction:  # sum, then divide by the data-parallel size
             factor = float(self.dp_mesh.size() * (self.replicate_mesh.size() if self.replicate_mesh else 1))
         with torch.no_grad():
             for s in self.slots:
-                b.pack_gradient(s, packed, self._local_grad(s) if s.requires_grad else None)
-                s.full_param.grad = None  # the full gradient is not needed any more
+                if s.requires_grad:  # frozen slots are not in the packed layout
+                    b.pack_gradient(s, packed, self._local_grad(s))
+                    s.full_param.grad = None  # the full gradient is not needed any more
             work = C.reduce_scatter(packed.view(-1), self.dp_mesh, 0, "avg" if factor is None else "sum",
                                     async_op=True)
         # The flags as they are now: the completion may run during a later backward.
@@ -281,8 +311,7 @@ class FSDPUnit:
             self.post_backward()
         self.backward_started = False
         self._grad_pending = 0
-        if self.reshard_after_backward:
-            self.reshard()
+        self.release_after_backward()
         if wait:
             self.complete_reduce()
 
@@ -317,7 +346,23 @@ class FSDPUnit:
                 shard_dev = s.local_view.device
                 if local.dtype != s.orig_dtype or local.device != shard_dev:
                     local = local.to(device=shard_dev, dtype=s.orig_dtype)
-                if s.sharded.grad is None:
-                    s.sharded.grad = DTensor(local, s.sharded._spec)
-                else:
-                    s.sharded.grad._local_tensor.add_(local)
+                _accumulate_sharded_grad(s.sharded, DTensor(local, s.sharded._spec))
+
+
+def _accumulate_sharded_grad(param: torch.nn.Parameter, grad: DTensor) -> None:
+    """Write the reduced gradient shard into ``param.grad`` with the user's hooks on ``param``.
+
+    Autograd computes with the full parameters, so it never runs hooks registered on the
+    sharded ones: their tensor hooks see (and may replace) the reduced shard here, and their
+    post-accumulate-grad hooks run once it is in ``.grad`` (optimizer-in-backward), as for a leaf.
+    """
+    for hook in (param._backward_hooks or {}).values():
+        out = hook(grad)
+        if out is not None:
+            grad = out
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad._local_tensor.add_(grad._local_tensor)
+    for hook in (param._post_accumulate_grad_hooks or {}).values():
+        hook(param)

@@ -1,0 +1,158 @@
+"""The training recipes of torchtitan and torchtune, as rank jobs for the recipes tier and bench/recipes.py.
+
+One job builds the demo's Llama as a recipe says, on shardprop or on torch's own stack
+(``torch.distributed.tensor`` + torch's ``fully_shard``: the reference, allowed in tests),
+trains it a few AdamW steps on this rank's rows of the batch and returns the losses (averaged
+over the data-parallel ranks) and the full parameters, named as in one process. The one-process
+run of the same recipe (AC changes no numbers; LoRA's frozen weights do) is :func:`reference`.
+
+A recipe is a dict: ``mesh`` ("dp4", "2x2" = dp x tp, "hsdp" = replicate x shard), ``ac``
+(None or a mode of ``shardprop.demo.recipes.AC_MODES``), ``lora`` (bool), ``compile`` (bool:
+each block through ``torch.compile``, eager backend), ``accumulate`` (two micro-batches, the
+first without gradient sync, then ``clip_grad_norm_``).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+STEPS = 3
+BATCH = 8
+
+
+def cfg():
+    from shardprop.demo.model import LlamaConfig
+    return LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=8)
+
+
+def _engine(engine: str) -> SimpleNamespace:
+    if engine == "shardprop":
+        import shardprop as P
+        return SimpleNamespace(init_device_mesh=P.init_device_mesh, fully_shard=P.fully_shard,
+                               parallelize_module=P.parallelize_module, Shard=P.Shard, Replicate=P.Replicate,
+                               ColwiseParallel=P.ColwiseParallel, RowwiseParallel=P.RowwiseParallel,
+                               SequenceParallel=P.SequenceParallel, PrepareModuleInput=P.PrepareModuleInput)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    return SimpleNamespace(init_device_mesh=init_device_mesh, fully_shard=fully_shard,
+                           parallelize_module=parallelize_module, Shard=Shard, Replicate=Replicate,
+                           ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
+                           SequenceParallel=SequenceParallel, PrepareModuleInput=PrepareModuleInput)
+
+
+def build(recipe: dict, engine: str = "shardprop"):
+    """(model, data-parallel mesh) for ``recipe`` on this rank; data-parallel rows are ``dp.size()`` pieces."""
+    from shardprop.demo.model import Llama, tp_plan
+    from shardprop.demo.recipes import add_lora, apply_ac
+    E = _engine(engine)
+    model = Llama(cfg(), 0)
+    if recipe.get("lora"):
+        add_lora(model, rank=4)
+    kind = recipe.get("mesh", "dp4")
+    if kind == "2x2":
+        mesh = E.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = E.parallelize_module(model, mesh["tp"], tp_plan(E))
+        dp_mesh = mesh["dp"]
+    elif kind == "hsdp":
+        dp_mesh = E.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        dp_mesh = E.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    apply_ac(model, recipe.get("ac"))
+    if recipe.get("compile"):
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block, backend="eager")
+    for block in model.layers:
+        E.fully_shard(block, mesh=dp_mesh)
+    E.fully_shard(model, mesh=dp_mesh)
+    return model, dp_mesh
+
+
+def _rows(t, dp_mesh):
+    n = dp_mesh.size()
+    i = dist.get_rank() // (dist.get_world_size() // n) if dp_mesh.ndim == 1 else dist.get_rank()
+    return t.chunk(n)[i]
+
+
+def _optimizer(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+
+
+def train(recipe: dict, engine: str = "shardprop", steps: int = STEPS):
+    """(losses, {name: full parameter}) after ``steps`` AdamW steps of ``recipe`` on this rank."""
+    from shardprop.demo.model import lm_loss, synthetic_batch
+    from shardprop.demo.recipes import strip_wrapper_names
+    model, dp = build(recipe, engine)
+    opt = _optimizer(model)
+    losses = []
+    for step in range(steps):
+        x, y = (_rows(t, dp) for t in synthetic_batch(cfg(), BATCH, step, 0))
+        if recipe.get("accumulate"):
+            h = x.shape[0] // 2
+            model.set_requires_gradient_sync(False)
+            (lm_loss(model(x[:h]), y[:h]) / 2).backward()
+            model.set_requires_gradient_sync(True)
+            (lm_loss(model(x[h:]), y[h:]) / 2).backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            with torch.no_grad():
+                loss = lm_loss(model(x), y)
+        else:
+            loss = lm_loss(model(x), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    params = {strip_wrapper_names(n): _full(p) for n, p in model.named_parameters()}
+    return losses, params
+
+
+def reference(recipe: dict, steps: int = STEPS):
+    """The same recipe in one process on the full batch."""
+    from shardprop.demo.model import Llama, lm_loss, synthetic_batch
+    from shardprop.demo.recipes import add_lora, apply_ac, strip_wrapper_names
+    model = Llama(cfg(), 0)
+    if recipe.get("lora"):
+        add_lora(model, rank=4)
+    apply_ac(model, recipe.get("ac"))
+    opt = _optimizer(model)
+    losses = []
+    for step in range(steps):
+        x, y = synthetic_batch(cfg(), BATCH, step, 0)
+        if recipe.get("accumulate"):
+            for part in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
+                (lm_loss(model(x[part]), y[part]) / 2).backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            with torch.no_grad():
+                loss = lm_loss(model(x), y)
+        else:
+            loss = lm_loss(model(x), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {strip_wrapper_names(n): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare(got, want, atol=1e-4):
+    """Problems (empty when ``got`` equals ``want``: losses and parameters within ``atol``)."""
+    problems = []
+    (losses, params), (ref_losses, ref_params) = got, want
+    if any(abs(a - b) > atol for a, b in zip(losses, ref_losses)):
+        problems.append(f"losses {losses} != {ref_losses}")
+    if set(params) != set(ref_params):
+        problems.append(f"parameter names differ: {sorted(set(params) ^ set(ref_params))[:6]}")
+    for n in sorted(set(params) & set(ref_params)):
+        d = (params[n].float() - ref_params[n].float()).abs().max().item() if params[n].numel() else 0.0
+        if params[n].shape != ref_params[n].shape or d > atol:
+            problems.append(f"{n}: max abs diff {d:.3g}")
+    return problems
