@@ -7,8 +7,8 @@ over the data-parallel ranks) and the full parameters, named as in one process. 
 run of the same recipe (AC changes no numbers; LoRA's frozen weights do) is :func:`reference`.
 
 A recipe is a dict: ``mesh`` ("dp4", "2x2" = dp x tp, "hsdp" = replicate x shard), ``ac``
-(None or a mode of ``shardprop.demo.recipes.AC_MODES``), ``lora`` (bool), ``compile`` (bool:
-each block through ``torch.compile``, eager backend), ``accumulate`` (two micro-batches, the
+(None or a mode of ``shardprop.demo.recipes.AC_MODES``), ``lora`` (bool), ``compile`` (None,
+"wrap" or "module": see :func:`compile_blocks`; ``backend``, default aot_eager), ``accumulate`` (two micro-batches, the
 first without gradient sync, then ``clip_grad_norm_``).
 """
 from __future__ import annotations
@@ -63,13 +63,24 @@ def build(recipe: dict, engine: str = "shardprop"):
     else:
         dp_mesh = E.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     apply_ac(model, recipe.get("ac"))
-    if recipe.get("compile"):
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block, backend="eager")
+    compile_blocks(model, recipe)
     for block in model.layers:
         E.fully_shard(block, mesh=dp_mesh)
     E.fully_shard(model, mesh=dp_mesh)
     return model, dp_mesh
+
+
+def compile_blocks(model, recipe: dict) -> None:
+    """Per-block compile as torchtitan does it ("wrap": ``torch.compile(block, fullgraph=True)`` replaces
+    the block) or as torchtune does it ("module": ``block.compile()`` in place, hooks included)."""
+    how, backend = recipe.get("compile"), recipe.get("backend", "aot_eager")
+    if how:  # the rank pool outlives a job: code compiled for an earlier job's model must not be reused
+        torch._dynamo.reset()
+    for i, block in enumerate(model.layers):
+        if how == "wrap":
+            model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
+        elif how == "module":
+            block.compile(backend=backend)
 
 
 def _rows(t, dp_mesh):
