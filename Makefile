@@ -34,7 +34,7 @@ test-release: $(STAMP)
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	$(PY) -m shardprop.demo --steps 5
 	$(PY) -m shardprop.demo --steps 3 --compile
-	$(PYTEST) tests
+	SHARDPROP_RELEASE=1 $(PYTEST) tests
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

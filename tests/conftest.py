@@ -15,6 +15,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs at least 2 CUDA devices; skipped otherwise")
     config.addinivalue_line("markers", "cuda: needs at least 1 CUDA device; skipped otherwise")
     config.addinivalue_line("markers", "slow: long variants; run with SHARDPROP_SLOW=1")
+    config.addinivalue_line("markers", "release: run by the release tier (SHARDPROP_RELEASE=1, make test-release) "
+                                       "and with SHARDPROP_SLOW=1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,6 +25,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("slow"):
                 item.add_marker(skip_slow)
+    if not (os.environ.get("SHARDPROP_SLOW") or os.environ.get("SHARDPROP_RELEASE")):
+        skip_release = pytest.mark.skip(reason="release tier: set SHARDPROP_RELEASE=1 (make test-release) to run")
+        for item in items:
+            if item.get_closest_marker("release"):
+                item.add_marker(skip_release)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     cuda_items = [item for item in items if item.get_closest_marker("cuda") and not item.get_closest_marker("gpu")]
     if not gpu_items and not cuda_items:

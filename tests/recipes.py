@@ -84,9 +84,9 @@ def compile_blocks(model, recipe: dict) -> None:
 
 
 def _rows(t, dp_mesh):
-    n = dp_mesh.size()
-    i = dist.get_rank() // (dist.get_world_size() // n) if dp_mesh.ndim == 1 else dist.get_rank()
-    return t.chunk(n)[i]
+    # A 2-d data-parallel mesh (HSDP) spans every rank in order: its flat index is the rank.
+    i = dp_mesh.get_local_rank() if dp_mesh.ndim == 1 else dist.get_rank()
+    return t.chunk(dp_mesh.size())[i]
 
 
 def _optimizer(model):
@@ -97,14 +97,11 @@ def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
 
 
-def train(recipe: dict, engine: str = "shardprop", steps: int = STEPS):
-    """(losses, {name: full parameter}) after ``steps`` AdamW steps of ``recipe`` on this rank."""
+def run_steps(recipe: dict, model, opt, dp, steps) -> list:
+    """Train ``model`` on the given steps' batches (this rank's rows of ``dp``); the losses averaged over all ranks."""
     from shardprop.demo.model import lm_loss, synthetic_batch
-    from shardprop.demo.recipes import strip_wrapper_names
-    model, dp = build(recipe, engine)
-    opt = _optimizer(model)
     losses = []
-    for step in range(steps):
+    for step in steps:
         x, y = (_rows(t, dp) for t in synthetic_batch(cfg(), BATCH, step, 0))
         if recipe.get("accumulate"):
             h = x.shape[0] // 2
@@ -123,8 +120,50 @@ def train(recipe: dict, engine: str = "shardprop", steps: int = STEPS):
         t = loss.detach().reshape(1).clone()
         dist.all_reduce(t)
         losses.append(t.item() / dist.get_world_size())
-    params = {strip_wrapper_names(n): _full(p) for n, p in model.named_parameters()}
-    return losses, params
+    return losses
+
+
+def full_params(model) -> dict:
+    """{name as in one process: full parameter}."""
+    from shardprop.demo.recipes import strip_wrapper_names
+    return {strip_wrapper_names(n): _full(p) for n, p in model.named_parameters()}
+
+
+def train(recipe: dict, engine: str = "shardprop", steps: int = STEPS):
+    """(losses, {name: full parameter}) after ``steps`` AdamW steps of ``recipe`` on this rank."""
+    model, dp = build(recipe, engine)
+    opt = _optimizer(model)
+    losses = run_steps(recipe, model, opt, dp, range(steps))
+    return losses, full_params(model)
+
+
+class PipelineHalf(torch.nn.Module):
+    """One of two pipeline stages of the demo's Llama: embedding + block 0, or block 1 + norm + output.
+
+    Blocks keep their global index as their name (a ModuleDict), so parameter names are those of one process.
+    """
+
+    def __init__(self, full, stage: int) -> None:
+        super().__init__()
+        n = len(full.layers)
+        own = range(0, n // 2) if stage == 0 else range(n // 2, n)
+        self.tok_embeddings = full.tok_embeddings if stage == 0 else None
+        self.layers = torch.nn.ModuleDict({str(i): full.layers[i] for i in own})
+        self.norm = full.norm if stage == 1 else None
+        self.output = full.output if stage == 1 else None
+
+    def forward(self, h):
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        for block in self.layers.values():
+            h = block(h)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def plan_key_matches(module, key: str) -> bool:
+    """Whether a plan key (``*`` wildcards) names a submodule of ``module``."""
+    import fnmatch
+    return any(fnmatch.fnmatchcase(name, key) for name, _ in module.named_modules())
 
 
 def reference(recipe: dict, steps: int = STEPS):

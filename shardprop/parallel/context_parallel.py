@@ -196,6 +196,47 @@ class _ContextParallelMode(TorchFunctionMode):
         return _eager(self._ring)(query, key, value, attn_mask, dropout_p, is_causal, scale, False, True)
 
 
+class _RecomputeInMode:
+    """Puts the context's mode back around module forwards that run inside backward.
+
+    Autograd runs backward without the torch-function modes of the caller, so an
+    activation-checkpoint recomputation inside the ``with`` block would run SDPA on the local
+    sequence alone. While the context is open, global module hooks re-enter the mode for a
+    module called from backward (a checkpointed block or sub-layer) and leave it after.
+    A checkpointed plain function (not a module) is not covered.
+    """
+
+    def __init__(self, mesh, balanced: bool) -> None:
+        self.mesh, self.balanced = mesh, balanced
+        self._entered: List[tuple] = []  # (module, mode) entered by the pre-hook, innermost last
+        self._handles = []
+
+    def __enter__(self):
+        from torch.nn.modules import module as nn_module
+        self._handles = [nn_module.register_module_forward_pre_hook(self._pre),
+                         nn_module.register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        while self._entered:
+            self._entered.pop()[1].__exit__(None, None, None)
+
+    def _pre(self, module, args):
+        if torch._C._current_graph_task_id() == -1 or self._entered:
+            return None  # not in backward, or the mode is already back on
+        mode = _ContextParallelMode(self.mesh, self.balanced)
+        mode.__enter__()
+        self._entered.append((module, mode))
+        return None
+
+    def _post(self, module, args, output):
+        if self._entered and self._entered[-1][0] is module:
+            self._entered.pop()[1].__exit__(None, None, None)
+        return None
+
+
 @contextlib.contextmanager
 def context_parallel(mesh, *, buffers: Optional[List[torch.Tensor]] = None,
                      buffer_seq_dims: Optional[List[int]] = None,
@@ -240,7 +281,7 @@ def context_parallel(mesh, *, buffers: Optional[List[torch.Tensor]] = None,
     del shards
     _active.on = True
     try:
-        with _ContextParallelMode(mesh, load_balance):
+        with _ContextParallelMode(mesh, load_balance), _RecomputeInMode(mesh, load_balance):
             yield
     finally:
         _active.on = False
