@@ -287,3 +287,18 @@ def test_context_parallel_with_fsdp_and_ac():
     want = (ref_losses, {n: p.detach() for n, p in ref.named_parameters()})
     for got in run_on_ranks(4, _cp_fsdp_ac, timeout=240):
         assert not recipes.compare(got, want), recipes.compare(got, want)[:6]
+
+
+# ---------------------------------------------------------------- the demo's recipe flags
+def _demo(argv):
+    from shardprop.demo.train import parser, rank_main
+    summary = rank_main(parser().parse_args(argv))
+    return summary["ok"], summary["losses"]
+
+
+@pytest.mark.parametrize("flags", [["--fsdp", "--ac", "selective"], ["--fsdp", "--mesh", "4", "--lora", "4", "--ac", "full"]],
+                         ids=["tp+fsdp+selective-ac", "lora+fsdp+ac"])
+def test_demo_recipe_flags_match_one_process(flags):
+    small = ["--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64", "--seq", "8", "--batch", "8", "--steps", "3"]
+    ok, losses = run_on_ranks(4, _demo, small + flags, timeout=180)[0]
+    assert ok and len(losses) == 3

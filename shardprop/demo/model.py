@@ -253,13 +253,20 @@ def make_optimizer(name: str, params, lr: Optional[float] = None):
 
 
 def reference_losses(cfg: LlamaConfig, steps: int, batch: int, seed: int = 0, optimizer: str = "adamw",
-                     device: str = "cpu", on_step: Optional[Callable[[int, float], None]] = None) -> List[float]:
+                     device: str = "cpu", on_step: Optional[Callable[[int, float], None]] = None,
+                     lora: int = 0) -> List[float]:
     """Train the model on one process for ``steps`` steps; the per-step losses (the baseline TP must match).
+
+    ``lora``: with LoRA adapters of that rank (``shardprop.demo.recipes.add_lora``), the rest frozen.
 
         >>> reference_losses(LlamaConfig(), steps=2, batch=4)  # doctest: +SKIP
         [5.61..., 5.52...]
     """
-    model = Llama(cfg, seed).to(device)
+    model = Llama(cfg, seed)
+    if lora:
+        from shardprop.demo.recipes import add_lora
+        add_lora(model, rank=lora)
+    model = model.to(device)
     opt = make_optimizer(optimizer, model.parameters())
     losses = []
     for step in range(steps):

@@ -7,6 +7,8 @@
     python -m shardprop.demo --cp 4 --seq 4096 --batch 1 --steps 3     # context parallelism (ring attention)
     python -m shardprop.demo --steps 10 --checkpoint ckpt              # save at the end (DCP)
     python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
+    python -m shardprop.demo --fsdp --ac selective                     # tp + fully_shard + selective AC
+    python -m shardprop.demo --fsdp --mesh 4 --lora --ac full          # torchtune's distributed LoRA recipe
 
 Spawns ranks (on 127.0.0.1) unless started by torchrun: on the CPU over gloo, or with
 ``--device cuda`` (the default when torch sees a GPU) on the GPUs: NCCL with one GPU per rank,
@@ -43,6 +45,7 @@ from shardprop.demo.model import (
     synthetic_batch,
     tp_plan,
 )
+from shardprop.demo.recipes import AC_MODES, add_lora, apply_ac
 
 RTOL = 1e-4
 
@@ -95,17 +98,26 @@ def _fmt_counts(counts) -> str:
     return ", ".join(f"{k} {n}x ({_fmt_bytes(b)})" for k, (n, b) in sorted(counts.items()))
 
 
-def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False, fsdp: bool = False):
+def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False, fsdp: bool = False,
+          ac: Optional[str] = None, lora: int = 0):
     """The model parallelized over ``mesh["tp"]`` (or a 1-d tp mesh), from the seeded single-process init.
 
     With ``fsdp`` each block, then the whole model, is ``fully_shard``-ed over ``mesh["dp"]``
-    (a 1-d mesh is then all dp: no tp).
+    (a 1-d mesh is then all dp: no tp). As torchtitan orders them: LoRA adapters (``lora``: their
+    rank; the rest frozen), then tensor parallelism, activation checkpointing (``ac``), fully_shard.
     """
     from shardprop import fully_shard, parallelize_module
     model = Llama(cfg, seed).to(mesh.device_type)
-    if not (fsdp and mesh.ndim == 1):
+    tp_on = not (fsdp and mesh.ndim == 1)
+    if lora:
+        if tp_on:
+            raise SystemExit("--lora runs with --fsdp on a 1-d --mesh (fully sharded data parallel): the demo's "
+                             "tensor-parallel plan does not cover the adapters")
+        add_lora(model, rank=lora)
+    if tp_on:
         tp = mesh["tp"] if mesh.ndim == 2 else mesh
         model = parallelize_module(model, tp, tp_plan(loss_parallel=loss_parallel))
+    apply_ac(model, ac)
     if fsdp:
         dp = mesh["dp"] if mesh.ndim == 2 else mesh
         for block in model.layers:
@@ -125,7 +137,7 @@ def train(args, mesh, say=print):
     if dp is not None and args.batch % dp.size():
         # Equal slices make the mean of the dp ranks' losses the global batch's loss.
         raise SystemExit(f"--batch {args.batch} does not split evenly over dp={dp.size()}")
-    model = build(cfg, mesh, args.seed, args.loss_parallel, fsdp)
+    model = build(cfg, mesh, args.seed, args.loss_parallel, fsdp, getattr(args, "ac", None), getattr(args, "lora", 0))
     opt = make_optimizer(args.optimizer, model.parameters())
     start = resume(args.resume, model, opt, say) if args.resume else 0
     # --compile: the forward and backward run as compiled graphs (collectives inside them).
@@ -223,7 +235,9 @@ def rank_main(args) -> dict:
     say(f"shardprop demo: {world} ranks on {device}, mesh {dict(zip(names, shape))}; model dim {cfg.dim}, "
         f"{cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq {cfg.seq_len}, "
         f"batch {args.batch}, {args.optimizer}{', loss_parallel' if args.loss_parallel else ''}"
-        f"{', fully_shard over dp' if getattr(args, 'fsdp', False) else ''}")
+        f"{', fully_shard over dp' if getattr(args, 'fsdp', False) else ''}"
+        f"{', activation checkpointing: ' + args.ac if getattr(args, 'ac', None) else ''}"
+        f"{', LoRA rank %d (base weights frozen)' % args.lora if getattr(args, 'lora', 0) else ''}")
     shardprop.clear_cache()
     t0 = time.perf_counter()
     losses, counts, times = train(args, mesh, say)
@@ -236,7 +250,8 @@ def rank_main(args) -> dict:
     summary = dict(losses=losses, counts=counts, ok=None, max_rel=None)
     if rank == 0:
         # A resumed run did the last len(losses) steps of an uninterrupted one: compare with those.
-        ref = reference_losses(cfg, args.steps, args.batch, args.seed, args.optimizer, device=device)
+        ref = reference_losses(cfg, args.steps, args.batch, args.seed, args.optimizer, device=device,
+                               lora=getattr(args, "lora", 0))
         ref = ref[len(ref) - len(losses):]
         worst = compare(losses, ref, say, first=args.steps - len(losses) + 1)
         ok = worst <= RTOL
@@ -315,6 +330,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--loss-parallel", action="store_true", help="vocab-sharded logits with shardprop.loss_parallel")
     p.add_argument("--fsdp", action="store_true", help="fully_shard over dp (a 1-d --mesh is then all dp)")
+    p.add_argument("--ac", choices=AC_MODES, default=None,
+                   help="activation checkpointing of each block: full (checkpoint_wrapper), reentrant, selective "
+                        "(saves matmul outputs), inner (checkpoint() inside each block's forward)")
+    p.add_argument("--lora", type=int, nargs="?", const=8, default=0, metavar="RANK",
+                   help="torchtune's LoRA: adapters of this rank (default 8) on wq/wv, every other weight frozen "
+                        "(with --fsdp on a 1-d --mesh)")
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="at the end, save model and AdamW state to DIR with torch.distributed.checkpoint")
     p.add_argument("--resume", metavar="DIR", default=None,
