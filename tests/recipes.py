@@ -21,10 +21,28 @@ import torch.distributed as dist
 STEPS = 3
 BATCH = 8
 
+# The recipes, by the name the tier, the bench and the closing notes use.
+RECIPES = {
+    "fsdp+ac": dict(ac="full"),
+    "fsdp+ac-reentrant": dict(ac="reentrant"),
+    "fsdp+checkpoint-inside-unit": dict(ac="inner"),
+    "fsdp+selective-ac": dict(ac="selective"),
+    "tp+fsdp+ac": dict(mesh="2x2", ac="full"),
+    "tp+fsdp+selective-ac": dict(mesh="2x2", ac="selective"),
+    "hsdp+ac": dict(mesh="hsdp", ac="full"),
+    "lora+fsdp": dict(lora=True),
+    "lora+fsdp+ac": dict(lora=True, ac="full"),
+    "tp+fsdp+accumulate+clip": dict(mesh="2x2", accumulate=True),
+    "fsdp+ac+compile(torchtitan)": dict(ac="full", compile="wrap"),
+    "lora+fsdp+ac+compile(torchtune)": dict(lora=True, ac="full", compile="module"),
+    "tp+fsdp+selective-ac+compile": dict(mesh="2x2", ac="selective", compile="wrap"),
+}
 
-def cfg():
+
+def cfg(**size):
+    """The model of the recipes: tiny by default; ``size`` overrides (the bench's larger model)."""
     from shardprop.demo.model import LlamaConfig
-    return LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=8)
+    return LlamaConfig(**{**dict(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=8), **size})
 
 
 def _engine(engine: str) -> SimpleNamespace:
