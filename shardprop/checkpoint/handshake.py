@@ -60,6 +60,8 @@ def agree(ranks: Sequence[int], what: str, problem: Optional[BaseException], dev
     """
     me = dist.get_rank()
     ranks = sorted(set(ranks))
+    if "gloo" in str(dist.get_backend()).lower():  # gloo carries host tensors: no device copies for a few bytes
+        device = torch.device("cpu")
     leader = ranks[0]
     digest = zlib.crc32(what.encode())
     text = what if problem is None else f"{type(problem).__name__}: {problem}"
