@@ -14,8 +14,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only  # off the hot path: 
 
 from shardprop.dispatch import outside as _outside
 from shardprop.dispatch import plain_tensors as _plain
-from shardprop.dispatch import registry as _registry
 from shardprop.dispatch import propagate as _prop
+from shardprop.dispatch import registry as _registry
 from shardprop.dispatch.method_calls import local_callable
 from shardprop.dispatch.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
 from shardprop.mesh import device_mesh as _dm
