@@ -27,6 +27,12 @@ _by_key: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDicti
 _next_key = itertools.count()
 
 
+# Whether this process ever built a mesh it is not in (a pipeline stage's sub-mesh, say). The
+# dispatcher reads it before looking for such a mesh among a special op's arguments, so a process
+# whose meshes all hold it never looks. Set by DeviceMesh.__init__ only.
+excluded_from_some_mesh = False
+
+
 def mesh_by_key(key: int) -> "DeviceMesh":
     """The live mesh with this key (what a compiled graph's code calls to name a mesh).
 
@@ -99,6 +105,9 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         me = dist.get_rank()
         where = (self.mesh == me).nonzero()
         self._coord: Optional[Tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
+        if self._coord is None:
+            global excluded_from_some_mesh
+            excluded_from_some_mesh = True
         # dims tuple -> (group, ranks of my group in mesh order); None where this rank is absent.
         self._groups: Dict[Tuple[int, ...], Tuple[Optional[dist.ProcessGroup], List[int]]] = {}
         backend = _groups.backend_for(device_type)

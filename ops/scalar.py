@@ -40,9 +40,9 @@ def _is_pinned(op, args, kwargs):
 
 
 register_special(aten._local_scalar_dense.default, _item)
-register_special(aten.is_pinned.default, _is_pinned)
+register_special(aten.is_pinned.default, _is_pinned, outside_safe=True)
 register_special(aten.equal.default, _equal)
-register_special(aten.is_same_size.default, _same_size)
+register_special(aten.is_same_size.default, _same_size, outside_safe=True)
 
 
 # ---------------------------------------------------------------- detach: the hottest copy-free op
@@ -58,4 +58,4 @@ def _detach(op, args, kwargs):
     return dispatcher.wrap(a._local_tensor.detach(), a._spec)
 
 
-register_special(aten.detach.default, _detach)
+register_special(aten.detach.default, _detach, outside_safe=True)  # local, or the rule path

@@ -396,8 +396,8 @@ def _inplace_handler(op, args, kwargs):
     return x
 
 
-for _op in INPLACE:
-    _dispatch.register_special(_op, _inplace_handler)
+for _op in INPLACE:  # outside a mesh the rule path inside gives the new spec and computes nothing
+    _dispatch.register_special(_op, _inplace_handler, outside_safe=True)
 
 
 # ------------------------------------------------------------------ tensor_split by a tensor

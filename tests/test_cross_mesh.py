@@ -35,21 +35,17 @@ def _placements(codes):
 
 
 def _source(full, name, codes):
-    """The DTensor of ``full`` on mesh ``name``; outside that mesh a placeholder of the right spec."""
-    from shardprop import DTensor, distribute_tensor
-    mesh = _mesh(name)
-    pl = _placements(codes)
-    if mesh.get_coordinate() is None:
-        return DTensor.from_local(torch.empty((0,) * full.ndim), mesh, pl, shape=full.shape, stride=full.stride())
-    return distribute_tensor(full, mesh, pl)
+    """The DTensor of ``full`` on mesh ``name`` (outside that mesh: the global spec over an empty shard)."""
+    from shardprop import distribute_tensor
+    return distribute_tensor(full, _mesh(name), _placements(codes))
 
 
 def _expected_local(full, name, codes):
     """This rank's shard of ``full`` cut with torch.chunk (no shardprop collective involved)."""
     mesh = _mesh(name)
     coord = mesh.get_coordinate()
-    if coord is None:
-        return torch.empty((0,) * full.ndim) if full.ndim else torch.empty(0)
+    if coord is None:  # as torch gives ranks outside a mesh
+        return torch.empty(0)
     out = full
     for m, c in enumerate(codes):
         if c.startswith("S"):

@@ -8,10 +8,13 @@ the box arithmetic the DCP protocol also uses), point-to-point on the default gr
 are reduced on their own mesh first; a Partial target is made from the replicated value
 locally (no communication).
 
-Every rank of either mesh must call it with a DTensor of the source spec; a rank outside the
-source mesh passes a placeholder, e.g. ``DTensor.from_local(torch.empty((0,) * ndim), src_mesh,
-placements, shape=global_shape)``, and a rank in neither mesh does nothing. Ranks outside
-the target mesh get a DTensor with an empty local tensor.
+Every rank of either mesh must call it with a DTensor of the source spec: on a rank outside the
+source mesh that is what ``distribute_tensor``, ``DTensor.from_local`` or a factory over the source
+mesh returns there (the global spec over an empty shard, as in torch); a rank in neither mesh does
+nothing. Ranks outside the target mesh get a DTensor with an empty ``(0,)`` local tensor. Before
+any data moves, all ranks of the move agree that each can take part (``handshake``): where one
+cannot (its shard does not fit the spec, or it was asked for a different move), every rank raises
+within one round trip instead of waiting for the collective timeout.
 
 Autograd: when both meshes cover the same set of ranks, the gradient is moved back the same
 way (every rank takes part in the backward, as in the forward). Between different rank sets
@@ -25,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from shardprop.checkpoint import handshake
 from shardprop.checkpoint.chunks import narrow, plan_transfers, relative, shard_box
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
@@ -42,7 +46,10 @@ def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
     """This rank's shard of the tensor ``src_spec`` describes, laid out on ``dst_mesh`` as ``dst_placements``.
 
     ``local`` is this rank's source shard (ignored outside the source mesh). Returns the new
-    shard (an empty tensor outside ``dst_mesh``).
+    shard (an empty ``(0,)`` tensor outside ``dst_mesh``, as torch gives ranks outside a mesh).
+    Before any data moves, the ranks of both meshes agree that all of them can go ahead
+    (:func:`handshake.agree`): a rank that cannot raises, and so does every other rank of the
+    move, at once, instead of waiting for messages that will never come.
 
     Example:
         >>> local = move_local(dt.to_local(), dt._spec, mesh_23, (Shard(0),))  # doctest: +SKIP
@@ -50,20 +57,26 @@ def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
     src_mesh, shape, dtype = src_spec.mesh, tuple(src_spec.shape), src_spec.dtype
     src_placements = src_spec.placements
     in_src, in_dst = src_mesh._coord is not None, dst_mesh._coord is not None
-    nothing = (0,) * len(shape) if shape else (0,)  # the local tensor of a rank outside a mesh
     if not (in_src or in_dst):
-        return torch.empty(nothing, dtype=dtype)
-    if in_src:
-        local = wait_all(local)
-        if src_spec.has_partial:  # the value must exist before pieces of it can move
-            local = redistribute_local(local, src_spec, _no_partial(src_placements))
+        return torch.empty(0, dtype=dtype)
+    problem = None
+    try:
+        device = _device_of(dst_mesh if not in_src else src_mesh)
+        if in_src:
+            local = wait_all(local)
+            device = local.device
+            _check_local(local, src_spec)
+    except Exception as e:  # told to every rank of the move below, then raised here
+        problem = e
+    handshake.agree(src_mesh._flat + dst_mesh._flat, describe(src_spec, dst_mesh, dst_placements), problem, device)
+    if in_src and src_spec.has_partial:  # the value must exist before pieces of it can move
+        local = redistribute_local(local, src_spec, _no_partial(src_placements))
     src_placements = _no_partial(src_placements)
     target = _no_partial(dst_placements)
-    device = local.device if in_src else _device_of(dst_mesh)
     me = dist.get_rank()
     mine_src = shard_box(shape, src_mesh.shape, src_mesh._coord, src_placements) if in_src else None
     mine_dst = shard_box(shape, dst_mesh.shape, dst_mesh._coord, target) if in_dst else None
-    out = torch.empty(mine_dst[1] if in_dst else nothing, dtype=dtype, device=device)
+    out = torch.empty(mine_dst[1] if in_dst else (0,), dtype=dtype, device=device)
     sends, recvs, received = [], [], []
     for tag, t in enumerate(plan_transfers(shape, src_mesh, src_placements, dst_mesh, target)):
         if t.src == me and t.dst == me:
@@ -85,6 +98,28 @@ def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
         spec = make_spec(dst_mesh, target, shape, None, dtype)
         out = redistribute_local(out, spec, tuple(dst_placements))
     return out
+
+
+def _check_local(local: torch.Tensor, spec) -> None:
+    """Raise where this rank's source shard does not fit the spec every rank of the move relies on."""
+    want = shard_box(tuple(spec.shape), spec.mesh.shape, spec.mesh._coord, spec.placements)[1]
+    if tuple(local.shape) != tuple(want) or local.dtype != spec.dtype:
+        raise ValueError(f"redistribute to another mesh: rank {dist.get_rank()} holds a {local.dtype} shard of shape "
+                         f"{tuple(local.shape)}, but {list(spec.placements)} of a {spec.dtype} tensor of shape "
+                         f"{tuple(spec.shape)} on {spec.mesh} puts a {tuple(want)} shard there")
+
+
+def describe(src_spec, dst_mesh, dst_placements) -> str:
+    """The move as every rank of it must see it (compared by digest before any data moves).
+
+    Example:
+        >>> describe(x._spec, mesh_23, (Shard(0),))  # doctest: +SKIP
+        '(8, 4) torch.float32 ranks (0, 1) [S(0)] -> ranks (2, 3) [S(0)]'
+    """
+    def where(mesh):
+        return f"ranks {mesh._flat}" + (f" as {tuple(mesh.shape)}" if len(mesh.shape) > 1 else "")
+    return (f"{tuple(src_spec.shape)} {src_spec.dtype} {where(src_spec.mesh)} {list(src_spec.placements)} -> "
+            f"{where(dst_mesh)} {list(dst_placements)}")
 
 
 @dataclass(frozen=True)
@@ -152,12 +187,18 @@ def redistribute_to_mesh(dt: DTensor, device_mesh, placements, async_op: bool = 
     Example:
         >>> y = x.redistribute(mesh_23, [Shard(0)])  # x lives on ranks 0-1; run on all 4 ranks  # doctest: +SKIP
     """
-    if placements is None:
-        placements = [Replicate()] * device_mesh.ndim
-    placements = normalize_placements(placements, dt.ndim, device_mesh.ndim, "redistribute")
-    if device_mesh.device_type != dt.device_mesh.device_type:
-        raise ValueError(f"redistribute: cannot move from a {dt.device_mesh.device_type} mesh to a "
-                         f"{device_mesh.device_type} mesh")
+    src_mesh = dt._spec.mesh
+    try:
+        if placements is None:
+            placements = [Replicate()] * device_mesh.ndim
+        placements = normalize_placements(placements, dt.ndim, device_mesh.ndim, "redistribute")
+        if device_mesh.device_type != src_mesh.device_type:
+            raise ValueError(f"redistribute: cannot move from a {src_mesh.device_type} mesh to a "
+                             f"{device_mesh.device_type} mesh")
+    except Exception as e:
+        if src_mesh._coord is not None or device_mesh._coord is not None:  # the others must not wait for us
+            handshake.agree(src_mesh._flat + device_mesh._flat, "", e, _device_of(src_mesh))
+        raise
     return CrossMesh.apply(dt, device_mesh, placements)
 
 

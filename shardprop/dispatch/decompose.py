@@ -144,7 +144,7 @@ def install(op) -> bool:
     current = dispatch.SPECIAL.get(op)
     if current is not None and current is not _handler:
         return False  # another special handler owns this op
-    dispatch.register_special(op, _handler)
+    dispatch.register_special(op, _handler, outside_safe=True)  # its ops come back through the dispatcher
     _installed.add(op)
     return True
 

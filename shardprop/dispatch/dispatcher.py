@@ -12,10 +12,13 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only  # off the hot path: cross-mesh calls only
 
+from shardprop.dispatch import outside as _outside
 from shardprop.dispatch import plain_tensors as _plain
 from shardprop.dispatch import propagate as _prop
+from shardprop.dispatch import registry as _registry
 from shardprop.dispatch.method_calls import local_callable
 from shardprop.dispatch.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
+from shardprop.mesh import device_mesh as _dm
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.redistribute import run_plan
 
@@ -32,7 +35,10 @@ _MEMO_SIZE = 1024  # answers remembered per op (a full memo starts over; 0 with 
 
 # op -> handler(op, args, kwargs) for ops that need more than a rule. Use register_special.
 SPECIAL = {}
-# op -> [special handler or None, hash(op), calls, callable]: one dict lookup per call gives all
+# Special ops whose handler may run on a rank outside the mesh as is: it communicates nothing
+# itself (a local read, or a decomposition whose ops come back through the dispatcher).
+OUTSIDE_SAFE = set()
+# op -> [special handler or None, hash(op), calls, callable, memo, handler outside-safe]: one dict lookup per call gives all
 # (OpOverload hashes in Python; hashing it once here saves that on every call).
 _OPS = {}
 
@@ -56,13 +62,20 @@ explicit_mode = None
 implicit_replication = 0
 
 
-def register_special(op, handler) -> None:
+def register_special(op, handler, *, outside_safe: bool = False) -> None:
     """Route ``op`` to ``handler(op, args, kwargs)`` instead of the rule-based path.
+
+    ``outside_safe``: the handler communicates nothing itself, so it runs as is on a rank
+    outside the mesh (else such a rank takes ``outside``'s no-op path, see :func:`_special_outside`).
 
     Example:
         >>> register_special(aten._local_scalar_dense.default, item_handler)  # doctest: +SKIP
     """
     SPECIAL[op] = handler
+    if outside_safe:
+        OUTSIDE_SAFE.add(op)
+    else:
+        OUTSIDE_SAFE.discard(op)
     _OPS.pop(op, None)
 
 
@@ -73,7 +86,7 @@ def _op_record(op) -> list:
     handler = SPECIAL.get(op)
     if handler is None and first_call_hook is not None:
         handler = first_call_hook(op)
-    rec = _OPS[op] = [handler, hash(op), 0, local_callable(op), {}]
+    rec = _OPS[op] = [handler, hash(op), 0, local_callable(op), {}, op in OUTSIDE_SAFE]
     return rec
 
 
@@ -188,9 +201,23 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
     if rec is None:
         rec = _op_record(op)
     if rec[0] is not None:
+        if _dm.excluded_from_some_mesh and not rec[5]:
+            mesh = _outside.excluded_mesh(args, kwargs)
+            if mesh is not None:
+                return _special_outside(op, args, kwargs, rec, mesh)
         return rec[0](op, args, kwargs)
     rec[2] += 1
     return run(op, args, kwargs, None, rec)
+
+
+def _special_outside(op, args, kwargs, rec, mesh):
+    """A special op on a rank outside ``mesh``: its handler would communicate; run it as a no-op instead."""
+    res = _outside.special_result(op, args, kwargs, mesh)
+    if res is not None:
+        return res
+    if _registry.lookup(op) is not None:
+        return run(op, args, kwargs, None, rec)  # the rule gives the specs; its outside form computes nothing
+    return _outside.shaped_like_meta(op, args, kwargs, mesh)
 
 
 def run(op, args, kwargs=None, compute=None, rec=None):
@@ -235,12 +262,16 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         out = memo.get(key)
         if out is None:
             out = _propagate(schema := OpSchema(op, key[0], kkey, rec[1]))
+            if _outside.is_outside(out):  # decided once per answer: a hit never asks
+                out = _outside.sharding_for(out)
             if len(memo) >= _MEMO_SIZE:
                 memo.clear()
             if _MEMO_SIZE:
                 memo[key] = out
     except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
         out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec[1]))
+        if _outside.is_outside(out):
+            out = _outside.sharding_for(out)
     except _prop.MeshMismatchError:
         if op in POSITIONWISE:  # a list op over parameters of several meshes: one call per mesh
             split = _split_positions(op, args, kwargs, compute, rec)
@@ -256,7 +287,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             return _copied_view(op, args, out, schema, compute or out.local_call, rec, largs, lkwargs)
     if recorder is not None:
         recorder.record(schema or OpSchema(op, key[0], kkey, rec[1]), out)
-    if compute is None:
+    if compute is None or out.outside:  # outside the mesh, even a special handler's compute gives way
         compute = out.local_call
     res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     returns = out.returns
@@ -433,7 +464,9 @@ def _replicate_plain_indices(args, kwargs, written=()):
             # An out= target is written, never read: its old values need not agree (torch.empty buffers).
             if mesh is None:
                 raise _plain_tensor_error(a)
-            verdict = _plain.joins_as_replicate(a, mesh, bool(implicit_replication)) if read else True
+            # Outside the mesh there is no one to compare with, and nothing is computed.
+            check = read and mesh._coord is not None
+            verdict = _plain.joins_as_replicate(a, mesh, bool(implicit_replication)) if check else True
             if verdict is not True:
                 raise _plain_tensor_error(a, verdict is _plain.DIFFERS)
             spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)

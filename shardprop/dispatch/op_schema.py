@@ -137,3 +137,4 @@ class OutputSharding:
     returns: str
     candidates: tuple = ()
     local_call: Optional[object] = None  # replaces op(*local_args) where the plain call is wrong
+    outside: bool = False  # this rank is not in the mesh: local_call makes default outputs (dispatch.outside)

@@ -51,7 +51,8 @@ class FromLocal(torch.autograd.Function):
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         placements = normalize_placements(placements, local.ndim, mesh.ndim, "from_local")
-        if run_check:
+        ctx.outside = mesh._coord is None
+        if run_check and not ctx.outside:  # outside the mesh there is no one to check with
             shape = _checked_global_shape(local, mesh, placements, shape)
         elif shape is None:
             shape = list(local.shape)
@@ -62,11 +63,15 @@ class FromLocal(torch.autograd.Function):
             stride = _dt.stride_like(local, shape)
         spec = _dt.make_spec(mesh, placements, shape, stride, local.dtype)
         ctx.spec = spec
+        if ctx.outside:  # as torch: the global spec over an empty shard
+            return _dt.DTensor(local.new_empty(0), spec, requires_grad=False)
         return _dt.DTensor(local.view_as(local), spec, requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
+        if ctx.outside:  # the shard given was dropped: nothing flows back into it (torch raises a shape error)
+            return None, None, None, None, None, None
         _check_partial_grad(spec.placements, "from_local backward")
         if isinstance(grad, _dt.DTensor):
             target = grad_placements_for(spec.placements)
@@ -175,7 +180,8 @@ def _target(src, placements, ndim: int):
     if type(placements) is str:  # _REPLICATE_ALL
         placements = (Replicate(),) * mesh.ndim
     placements = normalize_placements(placements, ndim, mesh.ndim, "redistribute")
-    plan = None if src.placements == placements else plan_redistribute(src, placements)
+    # Outside the mesh nothing moves (torch's semantics): the empty shard takes the new spec.
+    plan = None if src.placements == placements or mesh._coord is None else plan_redistribute(src, placements)
     hit = (src.with_placements(placements), plan)
     if key is not None and not _is_compiling() and not src.is_symbolic:
         if len(_TARGETS) >= _TARGETS_MAX:
@@ -308,7 +314,9 @@ def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, *,
 
     Without ``shape``, shards are assumed even; ``run_check=True`` gathers every
     rank's local shape, derives the global shape (uneven shards included) and
-    raises on every rank if they are inconsistent.
+    raises on every rank if they are inconsistent. On a rank outside ``device_mesh``
+    the result, as in torch, has the global shape over an empty local tensor (the
+    given one is dropped), and nothing is checked or communicated.
 
     Example:
         >>> dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # doctest: +SKIP

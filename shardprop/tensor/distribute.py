@@ -34,14 +34,18 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, mesh.ndim, "distribute_tensor")
-    if mesh._coord is None:
-        raise RuntimeError(f"distribute_tensor: this rank is not in {mesh}")
+    if mesh._coord is None:  # as torch: an empty shard with the global spec, and no communication
+        if src_data_rank is not None and not 0 <= src_data_rank < mesh.size():  # the members raise it too
+            raise ValueError(f"distribute_tensor: src_data_rank {src_data_rank} is out of range for {mesh} "
+                             f"({mesh.size()} ranks)")
+        device = tensor.device if tensor.is_meta else _device_of(mesh)
+        spec = make_spec(mesh, placements, tensor.shape, None, tensor.dtype)
+        return DTensor(tensor.new_empty(0, device=device), spec, requires_grad=tensor.requires_grad)
     if tensor.is_meta:  # deferred init (build on meta, parallelize, to_empty): shapes only, no data to move
         local = local_chunk(tensor.detach(), mesh, placements)
         spec = make_spec(mesh, placements, tensor.shape, None, tensor.dtype)
         return DTensor(local, spec, requires_grad=tensor.requires_grad)
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    full = tensor.detach().to(device)
+    full = tensor.detach().to(_device_of(mesh))
     if src_data_rank is not None and type(full) is not torch.Tensor and C.is_traced(full):
         # torch.compile: one functional broadcast of the source's tensor over the mesh, then each
         # rank cuts its shard (scatter has no traceable form).
@@ -60,6 +64,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
             local = torch.zeros_like(local)
     spec = make_spec(mesh, placements, tensor.shape, None, tensor.dtype)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
+
+
+def _device_of(mesh) -> torch.device:
+    return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
 def _from_source(full: torch.Tensor, mesh, placements, src: int) -> torch.Tensor:

@@ -142,7 +142,9 @@ def make_spec(mesh, placements, shape, stride=None, dtype=torch.float32) -> DTen
 
 
 def local_chunk(full: torch.Tensor, mesh, placements) -> torch.Tensor:
-    """This rank's shard of a full tensor, cut locally with no communication."""
+    """This rank's shard of a full tensor, cut locally with no communication (empty outside the mesh)."""
+    if mesh._coord is None:
+        return full.new_empty(0)
     shape, offset = local_shape_and_offset(full.shape, mesh.shape, mesh._coord, placements)
     out = full
     for d, (off, ln) in enumerate(zip(offset, shape)):

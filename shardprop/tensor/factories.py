@@ -14,6 +14,9 @@ Where shardprop differs from the reference, on purpose:
 - ``Partial`` placements hold the factory's value as their reduction, as ``distribute_tensor`` does:
   ``ones(4, placements=[Partial()])`` is ones (index 0 of the mesh dim holds them, the others zeros;
   ``avg``/``max``/``min`` hold them everywhere). The reference fills every rank, so its sum is mesh-size.
+- On a rank outside ``device_mesh`` every factory returns, as torch's do, the global spec over an
+  empty local tensor (shape ``(0,)``); ``rand``/``randn`` draw nothing there (the generator of a rank
+  outside stays where it was, as in torch, whose outside ranks skip the random kernel).
 - ``linspace``/``logspace`` compute each point in float64 from its global index, with torch's
   two-sided formula (from ``start`` in the first half, from ``end`` in the second); values agree with
   ``torch.linspace`` to rounding, not always bit for bit (torch's vector kernel rounds differently).
@@ -60,16 +63,19 @@ def _layout(name: str, size: torch.Size, device_mesh, placements, layout):
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     placements = normalize_placements(placements, len(size), mesh.ndim, f"shardprop.{name}")
-    if mesh._coord is None:
-        raise RuntimeError(f"shardprop.{name}: this rank is not in {mesh}")
-    shape, offset = local_shape_and_offset(size, mesh.shape, mesh._coord, placements)
+    if mesh._coord is None:  # as torch: the global spec over an empty shard (random ones draw nothing)
+        shape, offset = (0,), (0,) * len(size)
+    else:
+        shape, offset = local_shape_and_offset(size, mesh.shape, mesh._coord, placements)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     return mesh, placements, shape, offset, device
 
 
 def _holds_zero(mesh, placements) -> bool:
     """Whether this rank's part of a Partial(sum) value is zero (the value sits on index 0)."""
-    return any(type(p) is Partial and p.reduce_op == "sum" and mesh._coord[m] != 0 for m, p in enumerate(placements))
+    coord = mesh._coord
+    return coord is not None and any(type(p) is Partial and p.reduce_op == "sum" and coord[m] != 0
+                                     for m, p in enumerate(placements))
 
 
 def _wrap(local: torch.Tensor, mesh, placements, size, requires_grad: bool) -> DTensor:
@@ -140,6 +146,8 @@ def _random(name, kind, size, requires_grad, dtype, layout, device_mesh, placeme
     size = _size(size)
     mesh, placements, shape, offset, device = _layout(name, size, device_mesh, placements, layout)
     dtype = dtype if dtype is not None else torch.get_default_dtype()
+    if mesh._coord is None:  # torch's ranks outside the mesh draw nothing: their generators stay put
+        return _wrap(torch.empty(shape, dtype=dtype, device=device), mesh, placements, size, requires_grad)
     local = random_shards.draw_shard(kind, size, offset, shape, dtype, device)
     if _holds_zero(mesh, placements):
         local.zero_()

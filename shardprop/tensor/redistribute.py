@@ -186,7 +186,8 @@ def p2p_plan(src: DTensorSpec, dst_placements: Tuple[Placement, ...], fallback: 
     mesh = src.mesh
     cur = tuple(dst_placements[m] if mesh.shape[m] == 1 else p for m, p in enumerate(src.placements))
     dst = tuple(dst_placements)
-    if cur == dst or mesh._coord is None or not permute.eligible(src.shape, cur, dst):
+    # No coordinate is needed: ranks outside the mesh price (and so choose) as its members do.
+    if cur == dst or not permute.eligible(src.shape, cur, dst):
         return None
     price = permute.p2p_price(tuple(src.shape), mesh, cur, dst, src.dtype.itemsize)
     if price is None:
@@ -262,6 +263,8 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst_placements: Tu
     prog = _READY.get((src, dst_placements))
     if prog is not None and type(local) is torch.Tensor and local.shape == prog.in_shape:
         return prog.call(local, owned, async_op)
+    if src.mesh._coord is None:  # outside the mesh (torch's semantics): nothing to move, the empty shard stays
+        return local
     plan = plan_redistribute(src, dst_placements)
     prog = program_of(local, src, plan)
     if type(local) is torch.Tensor and not src.is_symbolic:
