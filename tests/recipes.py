@@ -63,12 +63,12 @@ def _engine(engine: str) -> SimpleNamespace:
                            SequenceParallel=SequenceParallel, PrepareModuleInput=PrepareModuleInput)
 
 
-def build(recipe: dict, engine: str = "shardprop"):
+def build(recipe: dict, engine: str = "shardprop", config=None):
     """(model, data-parallel mesh) for ``recipe`` on this rank; data-parallel rows are ``dp.size()`` pieces."""
     from shardprop.demo.model import Llama, tp_plan
     from shardprop.demo.recipes import add_lora, apply_ac
     E = _engine(engine)
-    model = Llama(cfg(), 0)
+    model = Llama(config or cfg(), 0)
     if recipe.get("lora"):
         add_lora(model, rank=4)
     kind = recipe.get("mesh", "dp4")

@@ -32,11 +32,12 @@ Divergences this test found, and what was done (torch 2.13, 4 gloo ranks):
   the matmul's backward read the weight. The fast path now steps aside for that layer.
 * parameters not on the style's mesh (fully_shard's resharded parameters met during a recomputation):
   the fast path failed on local shapes where the engine names the meshes; it now steps aside.
-* not fast paths, both paths alike, so not drawn: checkpointing under fully_shard (recomputation meets
-  the resharded parameters: MeshMismatchError), and tensor hooks on fully_shard's sharded parameters
-  (they do not run, as with torch's fully_shard), and a frozen weight under fully_shard (a unit frees its
-  gathered parameters once every trainable gradient is in, while a frozen weight's matmul backward may
-  still need it: "data is not allocated" / setStorage errors on both paths for 4-d inputs and LoRA).
+* not fast paths, both paths alike, and now drawn (issue 29 fixed them in fully_shard): checkpointing
+  under fully_shard (the recomputation met the resharded parameters: MeshMismatchError; backward now swaps
+  the gathered ones back in), tensor hooks on fully_shard's sharded parameters (they did not run; they now
+  run on the reduced gradient shard), and a frozen weight under fully_shard (a unit freed its gathered
+  parameters once every trainable gradient was in, while a frozen weight's matmul backward could still
+  need them; such a unit now keeps them until backward has passed its inputs).
 """
 import copy
 import os
@@ -462,11 +463,10 @@ def cases(draw, style=None):
     if style == "loss_parallel":
         nd = draw(st.sampled_from((2, 3)))
     meshes = draw(st.sampled_from(("tp", "2x2")))
-    # Not drawn: checkpointing under fully_shard. Its recomputation in backward meets the parameters
-    # resharded onto the 2-D mesh and fails the same way on both paths (MeshMismatchError from the
-    # engine; the fast path steps aside so the error is the engine's): a fully_shard gap, not a fast path's.
+    # Checkpointing under fully_shard too: backward swaps the gathered parameters back in for the
+    # recomputation, as for the forward.
     ckpt = draw(st.sampled_from((None, "plain") if is_ids else (None, "plain", "reentrant"))) \
-        if mode == "grad" and meshes == "tp" else None
+        if mode == "grad" else None
     double = draw(st.sampled_from((None, None, "before", "after")))
     autocast = None if double else draw(st.sampled_from((None, torch.bfloat16, torch.float16)))
     opt = None
@@ -478,12 +478,10 @@ def cases(draw, style=None):
         hooks=tuple(h for h in ("pre", "post", "bwd") if draw(st.booleans())),
         lora=draw(st.booleans()) if style not in SEQUENCE_STYLES[:1] + ID_STYLES else False,
         noncontig=draw(st.booleans()), bias=draw(st.booleans()),
-        # (under fully_shard the parameters autograd sees are the unsharded ones: hooks on the sharded
-        # parameters do not run there, as with torch's fully_shard; so tensor hooks are drawn on tp only)
-        param_hook=draw(st.booleans()) if mode == "grad" and meshes == "tp" else False,
+        # (under fully_shard a tensor hook on a sharded parameter runs on its reduced gradient shard)
+        param_hook=draw(st.booleans()) if mode == "grad" else False,
         accumulate=draw(st.booleans()) if mode == "grad" else False,
-        # (a frozen weight under fully_shard: not drawn, see the module docstring)
-        frozen=draw(st.sampled_from((None, None, "weight", "bias") if meshes == "tp" else (None, None, "bias"))),
+        frozen=draw(st.sampled_from((None, None, "weight", "bias"))),
         use_local=draw(st.booleans()), norm=draw(st.sampled_from(("layer", "rms"))),
         padding_idx=draw(st.booleans()) if is_ids else False,
         meshes=meshes, at_parallelize=draw(st.booleans()),
