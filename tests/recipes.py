@@ -7,7 +7,8 @@ over the data-parallel ranks) and the full parameters, named as in one process. 
 run of the same recipe (AC changes no numbers; LoRA's frozen weights do) is :func:`reference`.
 
 A recipe is a dict: ``mesh`` ("dp4", "2x2" = dp x tp, "hsdp" = replicate x shard), ``ac``
-(None or a mode of ``shardprop.demo.recipes.AC_MODES``), ``lora`` (bool), ``compile`` (None,
+(None or a mode of ``shardprop.demo.recipes.AC_MODES``), ``shard_inner`` (``fully_shard`` the block
+inside its checkpoint wrapper, as torchtune does), ``lora`` (bool), ``compile`` (None,
 "wrap" or "module": see :func:`compile_blocks`; ``backend``, default aot_eager), ``accumulate`` (two micro-batches, the
 first without gradient sync, then ``clip_grad_norm_``).
 """
@@ -32,6 +33,8 @@ RECIPES = {
     "hsdp+ac": dict(mesh="hsdp", ac="full"),
     "lora+fsdp": dict(lora=True),
     "lora+fsdp+ac": dict(lora=True, ac="full"),
+    "lora+ac-around-fsdp-unit(torchtune order)": dict(lora=True, ac="full", shard_inner=True),
+    "ac-reentrant-around-fsdp-unit": dict(ac="reentrant", shard_inner=True),
     "tp+fsdp+accumulate+clip": dict(mesh="2x2", accumulate=True),
     "fsdp+ac+compile(torchtitan)": dict(ac="full", compile="wrap"),
     "lora+fsdp+ac+compile(torchtune)": dict(lora=True, ac="full", compile="module"),
@@ -83,7 +86,10 @@ def build(recipe: dict, engine: str = "shardprop", config=None):
     apply_ac(model, recipe.get("ac"))
     compile_blocks(model, recipe)
     for block in model.layers:
-        E.fully_shard(block, mesh=dp_mesh)
+        # torchtune's order: the unit is the block inside its checkpoint wrapper (the recomputation
+        # then runs the unit's hooks again, inside backward); torchtitan's: the wrapper is the unit.
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        E.fully_shard(inner if recipe.get("shard_inner") and inner is not None else block, mesh=dp_mesh)
     E.fully_shard(model, mesh=dp_mesh)
     return model, dp_mesh
 
