@@ -48,6 +48,20 @@ def async_gather(mesh) -> bool:
     return mesh.device_type != "cpu"
 
 
+# Whether a unit's reduce-scatter runs asynchronously (None: by backend). Async keeps the packed
+# gradients (the unit's full size) alive until the next unit's backward completes it; on gloo the
+# overlap buys little on CPU and that buffer stays in the peak of every unit's backward (about one
+# unit above torch's fully_shard, whose CPU reduce-scatter is synchronous). Synchronous there.
+ASYNC_REDUCE: Optional[bool] = None
+
+
+def async_reduce(mesh) -> bool:
+    """Whether units on ``mesh`` reduce-scatter asynchronously (see ASYNC_REDUCE)."""
+    if ASYNC_REDUCE is not None:
+        return ASYNC_REDUCE
+    return mesh.device_type != "cpu"
+
+
 # The unit whose reduce-scatter was launched last and is not completed yet.
 _in_flight: Optional["FSDPUnit"] = None
 
@@ -299,10 +313,12 @@ class FSDPUnit:
                 if s.requires_grad:  # frozen slots are not in the packed layout
                     b.pack_gradient(s, packed, self._local_grad(s))
                     s.full_param.grad = None  # the full gradient is not needed any more
+            asynchronous = async_reduce(self.dp_mesh)
             work = C.reduce_scatter(packed.view(-1), self.dp_mesh, 0, "avg" if factor is None else "sum",
-                                    async_op=True)
-        # The flags as they are now: the completion may run during a later backward.
-        self._reduce = (work, packed, self.requires_all_reduce, factor)
+                                    async_op=asynchronous)
+        # The flags as they are now: the completion may run during a later backward. An async
+        # reduce-scatter's input must live until it is done; a finished one's is freed here.
+        self._reduce = (work, packed if asynchronous else None, self.requires_all_reduce, factor)
         _in_flight = self
 
     def finish_gradients(self, wait: bool = True) -> None:
