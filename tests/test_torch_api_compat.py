@@ -1,0 +1,127 @@
+"""Small API gaps of issue 30, each run side by side with torch.distributed.tensor on the same gloo ranks.
+
+Every case does the same thing with shardprop and with torch's DTensor (the reference) and
+asserts the same outcome: values, placements, warnings or the exception type.
+
+- item 2, leniency: ``parallelize_module(model, mesh)`` with no plan warns and returns the
+  module; a plan key matching nothing warns and is skipped (``strict=True`` raises);
+  ``src_data_rank`` (0, another rank, None) in ``parallelize_module`` and on a style.
+"""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import shardprop as sp
+from tests.rankpool import run_on_ranks
+
+
+def _ref():
+    """torch's DTensor API, as one namespace (tests may import it; product code never does)."""
+    import torch.distributed.tensor as T
+    import torch.distributed.tensor.parallel as P
+    from torch.distributed.device_mesh import init_device_mesh
+    from types import SimpleNamespace
+    return SimpleNamespace(init_device_mesh=init_device_mesh, distribute_tensor=T.distribute_tensor,
+                           DTensor=T.DTensor, Shard=T.Shard, Replicate=T.Replicate, Partial=T.Partial,
+                           parallelize_module=P.parallelize_module, ColwiseParallel=P.ColwiseParallel,
+                           RowwiseParallel=P.RowwiseParallel, SequenceParallel=P.SequenceParallel)
+
+
+class _MLP(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.down(torch.relu(self.up(x))))
+
+
+def _warned(fn):
+    """(result, [warning texts]) of ``fn()``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the type is the result)
+        return type(e).__name__
+    return None
+
+
+# ---------------------------------------------------------------- item 2: leniency, src_data_rank
+def _leniency():
+    ref = _ref()
+    out = {}
+    for name, api in (("ours", sp), ("ref", ref)):
+        mesh = api.init_device_mesh("cpu", (4,))
+        model = _MLP(0)
+        got, warned = _warned(lambda: api.parallelize_module(model, mesh))
+        out[name, "no plan"] = (got is model, len(warned) > 0, any(isinstance(p, api.DTensor)
+                                                                   for p in model.parameters()))
+        model = _MLP(0)
+        plan = {"up": api.ColwiseParallel(), "nothing.here": api.RowwiseParallel(), "down": api.RowwiseParallel()}
+        got, warned = _warned(lambda: api.parallelize_module(model, mesh, plan))
+        # The other keys are still applied: up and down are sharded, the model still runs.
+        y = model(torch.ones(2, 8))
+        out[name, "no match"] = (got is model, any("nothing" in w for w in warned),
+                                 [str(p) for p in model.up.weight.placements],
+                                 [str(p) for p in model.down.weight.placements], tuple(y.shape))
+    for kind in ("no plan", "no match"):
+        out["strict", kind] = _raises(
+            lambda: sp.parallelize_module(_MLP(0), sp.init_device_mesh("cpu", (4,)),
+                                          None if kind == "no plan" else {"nothing": sp.ColwiseParallel()},
+                                          strict=True))
+    return out
+
+
+def test_parallelize_leniency_as_torch():
+    out = run_on_ranks(4, _leniency)[0]
+    for kind in ("no plan", "no match"):
+        assert out["ours", kind] == out["ref", kind], (kind, out)
+    assert out["ours", "no plan"] == (True, True, False), out
+    assert out["ours", "no match"][:2] == (True, True), out
+    assert out["strict", "no plan"] == "TypeError" and out["strict", "no match"] == "ValueError", out
+
+
+def _src_data_rank():
+    """Each rank builds its module from its own seed; the parameters kept follow src_data_rank."""
+    import torch.distributed as dist
+    ref = _ref()
+    rank = dist.get_rank()
+    out = {}
+    for name, api in (("ours", sp), ("ref", ref)):
+        for src in (0, 2, None):
+            mesh = api.init_device_mesh("cpu", (4,))
+            model = _MLP(seed=100 + rank)
+            plan = {"up": api.ColwiseParallel(), "down": api.RowwiseParallel(), "norm": api.SequenceParallel()}
+            api.parallelize_module(model, mesh, plan, src_data_rank=src)
+            out[name, src] = {n: (p.to_local().clone(), [str(q) for q in p.placements])
+                              for n, p in model.named_parameters()}
+        # A style applied alone takes src_data_rank too.
+        model = _MLP(seed=100 + rank)
+        api.parallelize_module(model.up, api.init_device_mesh("cpu", (4,)), api.ColwiseParallel(), src_data_rank=None)
+        out[name, "style"] = {"up.weight": (model.up.weight.to_local().clone(), [str(q) for q in model.up.weight.placements])}
+    return out
+
+
+def test_parallelize_src_data_rank_as_torch():
+    per_rank = run_on_ranks(4, _src_data_rank)
+    for rank, out in enumerate(per_rank):
+        for key in (0, 2, None, "style"):
+            ours, ref = out["ours", key], out["ref", key]
+            assert ours.keys() == ref.keys(), key
+            for n in ours:
+                assert ours[n][1] == ref[n][1], (rank, key, n, ours[n][1], ref[n][1])
+                torch.testing.assert_close(ours[n][0], ref[n][0], msg=lambda m: f"rank {rank} src={key} {n}: {m}")
+    # The sources really differ: rank 1's shard of up.weight is rank 0's weights with 0, its own with None.
+    r1 = per_rank[1]
+    assert not torch.equal(r1["ours", 0]["up.weight"][0], r1["ours", None]["up.weight"][0])
+    assert not torch.equal(r1["ours", 0]["up.weight"][0], r1["ours", 2]["up.weight"][0])
