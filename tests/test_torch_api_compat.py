@@ -6,6 +6,8 @@ asserts the same outcome: values, placements, warnings or the exception type.
 - item 2, leniency: ``parallelize_module(model, mesh)`` with no plan warns and returns the
   module; a plan key matching nothing warns and is skipped (``strict=True`` raises);
   ``src_data_rank`` (0, another rank, None) in ``parallelize_module`` and on a style.
+- item 3, ``with mesh:``: ``distribute_tensor``, ``DTensor.from_local``, ``parallelize_module`` (and
+  shardprop's factories) take the mesh from the innermost enclosing block; none: RuntimeError.
 """
 import warnings
 
@@ -125,3 +127,45 @@ def test_parallelize_src_data_rank_as_torch():
     r1 = per_rank[1]
     assert not torch.equal(r1["ours", 0]["up.weight"][0], r1["ours", None]["up.weight"][0])
     assert not torch.equal(r1["ours", 0]["up.weight"][0], r1["ours", 2]["up.weight"][0])
+
+
+# ---------------------------------------------------------------- item 3: `with mesh:`
+def _mesh_context():
+    import torch.distributed as dist
+    ref = _ref()
+    rank = dist.get_rank()
+    out = {}
+    for name, api in (("ours", sp), ("ref", ref)):
+        mesh = api.init_device_mesh("cpu", (4,))
+        sub = api.init_device_mesh("cpu", (2, 2))
+        full = torch.arange(24.0).reshape(8, 3)
+        got = {}
+        with mesh:
+            d = api.distribute_tensor(full, placements=[api.Shard(0)])
+            f = api.DTensor.from_local(torch.full((2,), float(rank)), placements=[api.Shard(0)])
+            z = api.distribute_tensor(full)  # no placements either: replicated
+            with sub:  # nested: the innermost mesh wins, and the outer one is back after
+                inner = api.DTensor.from_local(torch.ones(1), placements=[api.Shard(0), api.Replicate()])
+            after = api.distribute_tensor(full, placements=[api.Shard(1)])
+            model = api.parallelize_module(_MLP(0), parallelize_plan={"up": api.ColwiseParallel()})
+        for key, t in (("distribute", d), ("from_local", f), ("replicated", z), ("nested", inner), ("after", after),
+                       ("parallelize", model.up.weight)):
+            got[key] = (t.device_mesh.shape if hasattr(t.device_mesh, "shape") else tuple(t.device_mesh.mesh.shape),
+                        [str(p) for p in t.placements], t.to_local().clone(), t.full_tensor().clone())
+        got["outside"] = _raises(lambda: api.distribute_tensor(full, placements=[api.Shard(0)]))
+        out[name] = got
+    with sp.init_device_mesh("cpu", (4,)):
+        out["factory"] = tuple(sp.zeros(8, 2, placements=[sp.Shard(0)]).to_local().shape)
+    return out
+
+
+def test_mesh_context_manager_as_torch():
+    for rank, out in enumerate(run_on_ranks(4, _mesh_context)):
+        ours, ref = out["ours"], out["ref"]
+        assert ours["outside"] == ref["outside"] == "RuntimeError", (ours["outside"], ref["outside"])
+        for key in ("distribute", "from_local", "replicated", "nested", "after", "parallelize"):
+            assert tuple(ours[key][0]) == tuple(ref[key][0]) and ours[key][1] == ref[key][1], (rank, key, ours[key][:2],
+                                                                                               ref[key][:2])
+            torch.testing.assert_close(ours[key][2], ref[key][2], msg=lambda m: f"rank {rank} {key} local: {m}")
+            torch.testing.assert_close(ours[key][3], ref[key][3], msg=lambda m: f"rank {rank} {key} full: {m}")
+        assert out["factory"] == (2, 2)

@@ -13,6 +13,8 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from torch import nn
 
+from shardprop.mesh.device_mesh import mesh_or_current
+
 from shardprop.parallel.styles import ParallelStyle, distribute_params, replicated
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Replicate
@@ -29,7 +31,7 @@ def _distributed(module: nn.Module) -> nn.Module:
     return module
 
 
-def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Callable] = None,
+def distribute_module(module: nn.Module, device_mesh=None, partition_fn: Optional[Callable] = None,
                       input_fn: Optional[Callable] = None, output_fn: Optional[Callable] = None) -> nn.Module:
     """Make every parameter and buffer of ``module`` a DTensor on ``device_mesh``; add input/output hooks.
 
@@ -48,7 +50,7 @@ def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Cal
         ...                   input_fn=lambda m, inputs, mesh: tuple(
         ...                       DTensor.from_local(x, mesh, [Replicate()]) for x in inputs))  # doctest: +SKIP
     """
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)
     for name, sub in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, sub, mesh)
@@ -102,7 +104,7 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
     ``parallelize_plan`` is one style (for ``module`` itself) or a dict from dotted submodule names
     to styles; an atom of a name may contain ``*`` wildcards (``"layers.*.feed_forward.w1"``). Styles
     are applied in the plan's order. On a multi-dim mesh pass the tensor-parallel sub-mesh,
-    ``mesh["tp"]``. ``src_data_rank`` is handed to ``distribute_tensor`` for every parameter: the
+    ``mesh["tp"]``; without ``device_mesh``, the mesh of the enclosing ``with mesh:``. ``src_data_rank`` is handed to ``distribute_tensor`` for every parameter: the
     mesh rank whose weights every rank ends up with (default 0, the single-device semantics), or
     None for each rank's own weights, cut locally.
 
@@ -147,7 +149,7 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
         ...     "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
         ... })  # doctest: +SKIP
     """
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)
     if parallelize_plan is None:
         if strict:
             raise TypeError("parallelize_module: no parallelize_plan given (strict=True)")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardprop.mesh import compat
+from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
@@ -306,6 +307,7 @@ def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, *,
                shape: Optional[Sequence[int]] = None, stride: Optional[Sequence[int]] = None) -> "_dt.DTensor":
     """Wrap this rank's shard as a DTensor (differentiable).
 
+    Without ``device_mesh``, the mesh of the enclosing ``with mesh:`` block is used.
     Without ``shape``, shards are assumed even; ``run_check=True`` gathers every
     rank's local shape, derives the global shape (uneven shards included) and
     raises on every rank if they are inconsistent.
@@ -315,6 +317,7 @@ def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, *,
         >>> dt.shape  # 4 ranks  # doctest: +SKIP
         torch.Size([8, 4])
     """
+    device_mesh = mesh_or_current(device_mesh)
     return FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)
 
 

@@ -6,14 +6,16 @@ from typing import Optional
 import torch
 
 from shardprop.mesh import collectives as C
+from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src_data_rank: Optional[int] = 0) -> DTensor:
-    """Distribute ``tensor`` over ``device_mesh`` with ``placements``.
+def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *,
+                      src_data_rank: Optional[int] = 0) -> DTensor:
+    """Distribute ``tensor`` over ``device_mesh`` (default: the mesh of the enclosing ``with mesh:``) with ``placements``.
 
     The data of the rank at flat index ``src_data_rank`` of the mesh (the global rank,
     for a mesh over all ranks in order; a sub-mesh's own first rank by default) is what
@@ -30,7 +32,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
     """
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor: the input already is a DTensor; use .redistribute()")
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, mesh.ndim, "distribute_tensor")

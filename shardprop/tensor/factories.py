@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import random_shards
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import local_shape_and_offset
@@ -50,13 +51,11 @@ def _size(size) -> torch.Size:
 
 def _layout(name: str, size: torch.Size, device_mesh, placements, layout):
     """(mesh, placements, local shape, offset, device) for a factory call; checks the arguments."""
-    if device_mesh is None:
-        raise ValueError(f"shardprop.{name}: give device_mesh= (shardprop has no current-mesh context)")
     if layout != torch.strided:
         raise ValueError(f"shardprop.{name}: layout {layout} is not supported; only torch.strided")
     if any(s < 0 for s in size):
         raise ValueError(f"shardprop.{name}: negative size in {tuple(size)}")
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)  # torch's factories take the `with mesh:` mesh too
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     placements = normalize_placements(placements, len(size), mesh.ndim, f"shardprop.{name}")
