@@ -8,6 +8,8 @@ asserts the same outcome: values, placements, warnings or the exception type.
   ``src_data_rank`` (0, another rank, None) in ``parallelize_module`` and on a style.
 - item 3, ``with mesh:``: ``distribute_tensor``, ``DTensor.from_local``, ``parallelize_module`` (and
   shardprop's factories) take the mesh from the innermost enclosing block; none: RuntimeError.
+- item 6, ``from_local(run_check=True)``: ranks that disagree on dtype, stride, requires_grad, shape
+  or ndim raise ValueError on every rank; replicas come from the first rank of each Replicate dim.
 """
 import warnings
 
@@ -169,3 +171,51 @@ def test_mesh_context_manager_as_torch():
             torch.testing.assert_close(ours[key][2], ref[key][2], msg=lambda m: f"rank {rank} {key} local: {m}")
             torch.testing.assert_close(ours[key][3], ref[key][3], msg=lambda m: f"rank {rank} {key} full: {m}")
         assert out["factory"] == (2, 2)
+
+
+# ---------------------------------------------------------------- item 6: from_local(run_check=True)
+def _run_check():
+    import torch.distributed as dist
+    ref = _ref()
+    r = dist.get_rank()
+    cases = {  # name -> this rank's local tensor
+        "dtype": lambda: torch.ones(2, 3, dtype=torch.float64 if r == 1 else torch.float32),
+        "stride": lambda: torch.ones(3, 2).t() if r == 2 else torch.ones(2, 3),
+        "requires_grad": lambda: torch.ones(2, 3, requires_grad=(r == 0)),
+        "shape": lambda: torch.ones(3 if r == 0 else 2, 3),
+        "ndim": lambda: torch.ones(2, 3, 1) if r == 3 else torch.ones(2, 3),
+        "values": lambda: torch.full((2, 3), float(r)),              # consistent: replicas come from rank 0
+        "transposed everywhere": lambda: torch.full((3, 2), float(r)).t(),
+    }
+    out = {}
+    for name, api in (("ours", sp), ("ref", ref)):
+        for mesh_shape, layouts in (((4,), ([api.Shard(0)], [api.Replicate()])),
+                                    ((2, 2), ([api.Shard(0), api.Replicate()], [api.Replicate(), api.Shard(1)]))):
+            mesh = api.init_device_mesh("cpu", mesh_shape)
+            for case, make in cases.items():
+                for i, pl in enumerate(layouts):
+                    local = make()
+                    kept = local.detach().clone()
+                    try:
+                        d = api.DTensor.from_local(local, mesh, pl, run_check=True)
+                        res = ("ok", tuple(d.shape), d.stride(), d.to_local().clone(), d.full_tensor().clone(),
+                               torch.equal(local.detach(), kept))
+                    except Exception as e:  # noqa: BLE001 (the type is the result)
+                        res = (type(e).__name__,)
+                    out[name, mesh_shape, case, i] = res
+    return out
+
+
+def test_from_local_run_check_as_torch():
+    for rank, out in enumerate(run_on_ranks(4, _run_check)):
+        keys = sorted({k[1:] for k in out}, key=str)
+        for key in keys:
+            ours, ref = out[("ours",) + key], out[("ref",) + key]
+            assert ours[0] == ref[0], (rank, key, ours[0], ref[0])
+            if ours[0] == "ok":
+                assert ours[1:3] == ref[1:3], (rank, key, ours[1:3], ref[1:3])  # global shape and stride
+                torch.testing.assert_close(ours[3], ref[3], msg=lambda m: f"rank {rank} {key} local: {m}")
+                torch.testing.assert_close(ours[4], ref[4], msg=lambda m: f"rank {rank} {key} full: {m}")
+                assert ours[5], (rank, key, "the caller's tensor was changed")
+        for case in ("dtype", "stride", "requires_grad", "shape", "ndim"):
+            assert out[("ours", (4,), case, 0)][0] == "ValueError", (rank, case)

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import collectives as C
 from shardprop.mesh import compat
 from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
@@ -54,6 +55,7 @@ class FromLocal(torch.autograd.Function):
         placements = normalize_placements(placements, local.ndim, mesh.ndim, "from_local")
         if run_check:
             shape = _checked_global_shape(local, mesh, placements, shape)
+            local = _replicas_from_first(local, mesh, placements)
         elif shape is None:
             shape = list(local.shape)
             for m, p in enumerate(placements):
@@ -250,14 +252,24 @@ def _grad_target(placements: tuple) -> tuple:
 _REPLICATE_ALL = "replicate on every mesh dim"
 
 
+_MAX_NDIM = 16
+
+
 def _checked_global_shape(local, mesh, placements, shape):
-    """Gather every rank's local shape and dtype; derive and check the global shape on all ranks."""
-    group_entry = mesh.group_for(tuple(range(mesh.ndim)))
-    group, ranks = group_entry
-    mine = torch.tensor([local.ndim, zlib.crc32(str(local.dtype).encode())] + list(local.shape) + [0] * (16 - local.ndim),
+    """Gather every rank's local metadata in one all-gather; derive and check the global shape on all ranks.
+
+    Ranks must agree on the dtype, requires_grad and the memory order of their pieces (the strides
+    they imply for the global tensor), and their shapes must be the pieces of one global shape
+    (uneven shards included); else every rank raises the same ValueError, as torch's run_check.
+    """
+    if local.ndim > _MAX_NDIM:
+        raise ValueError(f"from_local(run_check=True): tensors of more than {_MAX_NDIM} dims are not supported")
+    group, ranks = mesh.group_for(tuple(range(mesh.ndim)))
+    order = _dt.memory_order(local)
+    pad = [0] * (_MAX_NDIM - local.ndim)
+    mine = torch.tensor([local.ndim, zlib.crc32(str(local.dtype).encode()), int(local.requires_grad)]
+                        + list(local.shape) + pad + (list(order) + pad if order is not None else [-1] * _MAX_NDIM),
                         dtype=torch.int64)
-    if local.ndim > 16:
-        raise ValueError("from_local(run_check=True): tensors of more than 16 dims are not supported")
     mine = mine.to(local.device) if mesh.device_type != "cpu" else mine
     everyone = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(everyone, mine, group=group)
@@ -265,9 +277,12 @@ def _checked_global_shape(local, mesh, placements, shape):
     ranks = sorted(ranks)  # all_gather fills in group order, which is ascending global rank
     coords = {r: tuple(c) for r, c in zip(ranks, _coords_of(mesh, ranks))}
     problems = []
-    if len({(e[0], e[1]) for e in everyone}) != 1:
-        problems.append("ranks disagree on the local tensor's rank or dtype")
-    shapes = {r: tuple(e[2:2 + e[0]]) for r, e in zip(ranks, everyone)}
+    for what, at in (("the local tensor's number of dims", 0), ("dtype", 1), ("requires_grad", 2)):
+        if len({e[at] for e in everyone}) != 1:
+            problems.append(f"ranks disagree on {what}")
+    if not problems and len({tuple(e[3 + _MAX_NDIM:]) for e in everyone}) != 1:
+        problems.append("ranks disagree on the local tensor's stride (memory order), so on the global stride")
+    shapes = {r: tuple(e[3:3 + e[0]]) for r, e in zip(ranks, everyone)}
     if not problems:
         derived = list(shapes[ranks[0]])
         for d in range(len(derived)):
@@ -289,6 +304,21 @@ def _checked_global_shape(local, mesh, placements, shape):
     return shape
 
 
+def _replicas_from_first(local, mesh, placements):
+    """run_check's promise, as torch's: along each Replicate mesh dim every rank gets the first rank's data.
+
+    Broadcast into a copy: the caller's tensor is left as it was.
+    """
+    dims = [m for m, p in enumerate(placements) if type(p) is Replicate and mesh.shape[m] > 1]
+    if not dims:
+        return local
+    out = local.clone(memory_format=torch.preserve_format)  # same memory order: the same global stride
+    buf = out if out.is_contiguous() else out.contiguous()  # collectives take contiguous buffers
+    for m in dims:
+        C.broadcast(buf, mesh, (m,), src=0)
+    return out if buf is out else out.copy_(buf)
+
+
 def _coords_of(mesh, ranks):
     flat = mesh.mesh.flatten().tolist()
     out = []
@@ -308,9 +338,11 @@ def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, *,
     """Wrap this rank's shard as a DTensor (differentiable).
 
     Without ``device_mesh``, the mesh of the enclosing ``with mesh:`` block is used.
-    Without ``shape``, shards are assumed even; ``run_check=True`` gathers every
-    rank's local shape, derives the global shape (uneven shards included) and
-    raises on every rank if they are inconsistent.
+    Without ``shape``, shards are assumed even; ``run_check=True`` gathers every rank's
+    local metadata in one small collective, derives the global shape (uneven shards
+    included) and raises ValueError on every rank if dtype, requires_grad, memory order
+    (stride) or shapes are inconsistent; as torch's, it then gives every rank the data of
+    the first rank along each Replicate mesh dim (a broadcast, into a copy).
 
     Example:
         >>> dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # doctest: +SKIP
