@@ -10,6 +10,8 @@ asserts the same outcome: values, placements, warnings or the exception type.
   shardprop's factories) take the mesh from the innermost enclosing block; none: RuntimeError.
 - item 6, ``from_local(run_check=True)``: ranks that disagree on dtype, stride, requires_grad, shape
   or ndim raise ValueError on every rank; replicas come from the first rank of each Replicate dim.
+- item 8, ``redistribute(..., forward_dtype=, backward_dtype=)``: collectives run in those dtypes (checked
+  by the bytes ``comm_counter`` sees), the result has ``forward_dtype``, the gradient the input's dtype.
 """
 import warnings
 
@@ -219,3 +221,56 @@ def test_from_local_run_check_as_torch():
                 assert ours[5], (rank, key, "the caller's tensor was changed")
         for case in ("dtype", "stride", "requires_grad", "shape", "ndim"):
             assert out[("ours", (4,), case, 0)][0] == "ValueError", (rank, case)
+
+
+# ---------------------------------------------------------------- item 8: redistribute's dtypes
+def _redistribute_dtypes():
+    import torch.distributed as dist
+    ref = _ref()
+    out = {}
+    full = torch.randn(8, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64).float()
+    g = torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64).float()
+    for name, api in (("ours", sp), ("ref", ref)):
+        mesh = api.init_device_mesh("cpu", (4,))
+        for case, src, dst, fwd, bwd in (
+                ("gather bf16", [api.Shard(0)], [api.Replicate()], torch.bfloat16, None),
+                ("all-to-all bf16, grad fp16", [api.Shard(0)], [api.Shard(1)], torch.bfloat16, torch.float16),
+                ("grad only fp16", [api.Shard(0)], [api.Shard(1)], None, torch.float16),
+                ("same layout fp64", [api.Shard(0)], [api.Shard(0)], torch.float64, None)):
+            x = api.distribute_tensor(full, mesh, src).requires_grad_()
+            with sp.comm_counter() as fwd_count:
+                y = x.redistribute(mesh, dst, forward_dtype=fwd, backward_dtype=bwd)
+            gy = api.distribute_tensor(g, mesh, dst).to(y.dtype)
+            with sp.comm_counter() as bwd_count:
+                (y * gy).sum().backward()
+            out[name, case] = (y.dtype, [str(p)[:1] for p in y.placements], y.full_tensor().float(),
+                               x.grad.dtype, [str(p)[:1] for p in x.grad.placements], x.grad.full_tensor(),
+                               fwd_count.counts, bwd_count.counts)
+        # Without autograd, and a Partial summed in bf16.
+        p = api.DTensor.from_local(full[:2] * (dist.get_rank() + 1), mesh, [api.Partial()])
+        r = p.redistribute(mesh, [api.Replicate()], forward_dtype=torch.bfloat16)
+        out[name, "partial bf16"] = (r.dtype, r.to_local().float())
+    out["exact"] = full[:2] * 10  # 1 + 2 + 3 + 4 parts
+    return out
+
+
+def test_redistribute_forward_backward_dtype_as_torch():
+    out = run_on_ranks(4, _redistribute_dtypes)[0]
+    for case in ("gather bf16", "all-to-all bf16, grad fp16", "grad only fp16", "same layout fp64"):
+        ours, ref = out["ours", case], out["ref", case]
+        assert ours[0] == ref[0] and ours[1] == ref[1], (case, ours[:2], ref[:2])
+        torch.testing.assert_close(ours[2], ref[2], msg=lambda m: f"{case} forward: {m}")
+        assert ours[3] == ref[3] == torch.float32 and ours[4] == ref[4], (case, ours[3:5], ref[3:5])
+        torch.testing.assert_close(ours[5], ref[5], msg=lambda m: f"{case} grad: {m}")
+    # The collectives ran in the requested dtypes (bytes per element), ours counted by comm_counter:
+    # rank 0 sends its (2, 6) rows forward and its (8, 2) columns of the gradient backward.
+    assert out["ours", "gather bf16"][6] == {"all_gather": (1, 12 * 2)}, out["ours", "gather bf16"][6]
+    assert out["ours", "all-to-all bf16, grad fp16"][6] == {"all_to_all": (1, 12 * 2)}
+    assert out["ours", "all-to-all bf16, grad fp16"][7] == {"all_to_all": (1, 16 * 2)}
+    assert out["ours", "grad only fp16"][6] == {"all_to_all": (1, 12 * 4)}
+    assert out["ours", "grad only fp16"][7] == {"all_to_all": (1, 16 * 2)}
+    ours, ref = out["ours", "partial bf16"], out["ref", "partial bf16"]
+    assert ours[0] == ref[0] == torch.bfloat16
+    # Summed in bf16 by both (in different orders, so to bf16's precision, not bit for bit).
+    for got in (ours[1], ref[1]):
+        torch.testing.assert_close(got, out["exact"], rtol=2 ** -6, atol=2 ** -6)

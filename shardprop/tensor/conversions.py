@@ -227,6 +227,46 @@ class Redistribute(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _cast(dt, dtype) -> "_dt.DTensor":
+    """``dt`` with its local tensor cast to ``dtype`` (no autograd; same layout)."""
+    if dtype is None or dtype == dt._local_tensor.dtype:
+        return dt
+    spec = dt._spec
+    meta = spec.tensor_meta
+    return _dt.DTensor(dt._local_tensor.to(dtype), _dt.make_spec(spec.mesh, spec.placements, meta.shape, meta.stride,
+                                                                 dtype), requires_grad=False)
+
+
+class RedistributeCast(torch.autograd.Function):
+    """``redistribute`` with ``forward_dtype`` / ``backward_dtype`` (torch's keyword arguments).
+
+    Forward: cast to ``forward_dtype``, then the collectives (the result is in ``forward_dtype``).
+    Backward: cast the gradient to ``backward_dtype`` (default: the input's dtype), run the
+    collectives back, and hand the input's dtype on. Kept apart from :class:`Redistribute` so
+    the common call pays nothing for it.
+    """
+
+    @staticmethod
+    def forward(ctx, dt, device_mesh, placements, async_op, forward_dtype, backward_dtype):
+        ctx.src = dt._spec
+        ctx.in_dtype = dt._local_tensor.dtype
+        ctx.backward_dtype = backward_dtype or ctx.in_dtype
+        cast = _cast(dt, forward_dtype)
+        out = _same_mesh(cast, device_mesh, placements, async_op, cast is not dt)
+        ctx.identity = out._spec.placements == ctx.src.placements
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _cast(grad, ctx.backward_dtype)
+        if not ctx.identity:
+            target = _grad_target(ctx.src.placements)
+            if grad._spec.placements != target:
+                local = redistribute_local(grad._local_tensor, grad._spec, target)
+                grad = _dt.DTensor(local, grad._spec.with_placements(target))
+        return _cast(grad, ctx.in_dtype), None, None, None, None, None
+
+
 # Redistribute.apply without its Python wrapper (``Function.apply`` only unwraps functorch wrappers
 # when no functorch transform is active, then calls this): a few microseconds less per call on the
 # tensor-parallel hot path, where styles redistribute activations several times per block.
@@ -372,15 +412,23 @@ def to_local(self, *, grad_placements=None) -> torch.Tensor:
 other_mesh_redistribute = None
 
 
-def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False) -> "_dt.DTensor":
+def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False,
+                 forward_dtype: Optional[torch.dtype] = None,
+                 backward_dtype: Optional[torch.dtype] = None) -> "_dt.DTensor":
     """The same tensor laid out with ``placements`` (differentiable).
 
     A ``device_mesh`` other than this tensor's moves it to that mesh (see
     ``shardprop.checkpoint.cross_mesh``; every rank of both meshes must call it).
+    As torch's: ``forward_dtype`` casts before the collectives (the result has that dtype);
+    ``backward_dtype`` is the dtype the gradient's collectives run in (default: this tensor's
+    dtype), and the gradient comes back in this tensor's dtype.
 
     Example:
         >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
+        >>> dt.redistribute(placements=[Replicate()], forward_dtype=torch.bfloat16)  # gathers bf16  # doctest: +SKIP
     """
+    if forward_dtype is not None or backward_dtype is not None:
+        return _redistribute_cast(self, device_mesh, placements, async_op, forward_dtype, backward_dtype)
     if device_mesh is not None and not _is_compiling() and device_mesh != self._spec.mesh:
         if other_mesh_redistribute is None:
             raise ValueError(f"redistribute: cannot move a DTensor from {self._spec.mesh} to a different mesh "
@@ -402,6 +450,20 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
     # The same-mesh checks run inside (torch.compile records this call whole; a move to another
     # mesh is not supported under torch.compile and raises there).
     return Redistribute.apply(self, device_mesh, placements, async_op, owned)
+
+
+def _redistribute_cast(self, device_mesh, placements, async_op, forward_dtype, backward_dtype):
+    if device_mesh is not None and not _is_compiling() and device_mesh != self._spec.mesh:
+        if backward_dtype is not None:
+            raise NotImplementedError("redistribute: backward_dtype with a move to another mesh is not supported; "
+                                      "cast with .to() around the move instead")
+        return redistribute(self.to(forward_dtype), device_mesh, placements, async_op=async_op)
+    if placements is not None and type(placements) is not str:
+        placements = tuple(placements)
+    if not self.requires_grad and not _is_compiling():
+        cast = _cast(self, forward_dtype)
+        return _same_mesh(cast, device_mesh, placements, async_op, cast is not self)
+    return RedistributeCast.apply(self, device_mesh, placements, async_op, forward_dtype, backward_dtype)
 
 
 def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
@@ -427,6 +489,6 @@ _dt.DTensor.full_tensor = full_tensor
 
 # torch.compile: dynamo cannot trace a wrapper subclass's construction, so it must put these
 # three functions in its graph whole (AOTAutograd then traces through them).
-compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute)
+compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute, RedistributeCast)
 compile_support.when_dynamo_loads(lambda dynamo: compat.dynamo_traces_redistribute_of(_dt.DTensor),
                                   "letting dynamo trace DTensor.redistribute")
