@@ -30,6 +30,7 @@ _REDUCE_OPS = {
     "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
 }
 
 MeshDims = Union[int, str, Tuple[int, ...]]

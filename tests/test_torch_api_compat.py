@@ -12,6 +12,8 @@ asserts the same outcome: values, placements, warnings or the exception type.
   or ndim raise ValueError on every rank; replicas come from the first rank of each Replicate dim.
 - item 8, ``redistribute(..., forward_dtype=, backward_dtype=)``: collectives run in those dtypes (checked
   by the bytes ``comm_counter`` sees), the result has ``forward_dtype``, the gradient the input's dtype.
+- item 7, ``Partial("product")`` (``"prod"`` is the same placement here; torch 2.13 refuses that spelling):
+  to Replicate / Shard (uneven too), ``prod`` over a sharded dim and of a product Partial, views.
 """
 import warnings
 
@@ -274,3 +276,56 @@ def test_redistribute_forward_backward_dtype_as_torch():
     # Summed in bf16 by both (in different orders, so to bf16's precision, not bit for bit).
     for got in (ours[1], ref[1]):
         torch.testing.assert_close(got, out["exact"], rtol=2 ** -6, atol=2 ** -6)
+
+
+# ---------------------------------------------------------------- item 7: Partial("product")
+def _product():
+    import torch.distributed as dist
+    ref = _ref()
+    r = dist.get_rank()
+    local = torch.linspace(0.5, 1.5, 30).reshape(5, 6) + 0.1 * r  # 5 rows: uneven over 4 ranks
+    full = torch.arange(1.0, 31.0).reshape(5, 6) / 10
+    out = {}
+    for name, api in (("ours", sp), ("ref", ref)):
+        mesh = api.init_device_mesh("cpu", (4,))
+        d = api.DTensor.from_local(local, mesh, [api.Partial("product")])
+        got = {"placement": [str(p) for p in d.placements]}
+        for key, dst in (("R", [api.Replicate()]), ("S0", [api.Shard(0)]), ("S1", [api.Shard(1)])):
+            t = d.redistribute(mesh, dst)
+            got[key] = (t.to_local().clone(), t.full_tensor().clone())
+        y = d.prod(0)  # prod of a product Partial: still one
+        got["prod of P"] = ([str(p) for p in y.placements], y.full_tensor().clone())
+        v = d.view(30)  # a view moves elements: the Partial passes
+        got["view"] = ([str(p) for p in v.placements], v.full_tensor().clone())
+        for dim in (0, 1):  # prod over a sharded dim: each rank's product of its chunk, then their product
+            x = api.distribute_tensor(full, mesh, [api.Shard(dim)])
+            p = x.prod(dim)
+            got[f"prod over S({dim})"] = ([str(q) for q in p.placements], p.full_tensor().clone())
+        out[name] = got
+    mesh = sp.init_device_mesh("cpu", (4,))
+    out["alias"] = sp.Partial("prod") == sp.Partial("product")
+    # Replicate -> Partial(product): the value on index 0, ones elsewhere (torch refuses this move).
+    dt = sp.distribute_tensor(full, mesh, [sp.Partial("product")])
+    out["distribute"] = dt.full_tensor().clone()
+    out["ones"] = sp.full((3,), 2.0, device_mesh=mesh, placements=[sp.Partial("product")]).full_tensor().clone()
+    out["no grad"] = _raises(lambda: sp.DTensor.from_local(local.clone().requires_grad_(), mesh,
+                                                           [sp.Partial("product")]).full_tensor().sum().backward())
+    out["exact"] = full
+    return out
+
+
+def test_partial_product_as_torch():
+    for rank, out in enumerate(run_on_ranks(4, _product)):
+        ours, ref = out["ours"], out["ref"]
+        assert ours["placement"] == ref["placement"] == ["P(product)"]
+        for key in ("R", "S0", "S1"):
+            for i, what in enumerate(("local", "full")):
+                torch.testing.assert_close(ours[key][i], ref[key][i], msg=lambda m: f"rank {rank} {key} {what}: {m}")
+        for key in ("prod of P", "view", "prod over S(0)", "prod over S(1)"):
+            assert ours[key][0] == ref[key][0], (rank, key, ours[key][0], ref[key][0])
+            torch.testing.assert_close(ours[key][1], ref[key][1], msg=lambda m: f"rank {rank} {key}: {m}")
+        assert ours["prod over S(0)"][0] == ["P(product)"]  # reduced locally, no gather
+        assert out["alias"]
+        torch.testing.assert_close(out["distribute"], out["exact"])
+        torch.testing.assert_close(out["ones"], torch.full((3,), 2.0))
+        assert out["no grad"] == "RuntimeError"

@@ -31,9 +31,11 @@ def grad_placements_for(placements):
 
 
 def _check_partial_grad(placements, where: str) -> None:
-    bad = [p for p in placements if type(p) is Partial and p.reduce_op in ("max", "min")]
+    bad = [p for p in placements if type(p) is Partial and p.reduce_op in ("max", "min", "product")]
     if bad:
-        raise RuntimeError(f"{where}: no gradient through {bad[0]!r} (which rank's value wins is not recorded); "
+        why = ("each rank's gradient depends on the others' values" if bad[0].reduce_op == "product"
+               else "which rank's value wins is not recorded")
+        raise RuntimeError(f"{where}: no gradient through {bad[0]!r} ({why}); "
                            "redistribute to Replicate before the differentiable part")
 
 

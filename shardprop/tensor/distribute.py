@@ -10,7 +10,7 @@ from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.placement import Replicate, Shard, normalize_placements, partial_fill
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *,
@@ -56,10 +56,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *
         local = local_chunk(full, mesh, placements)
     else:
         local = _from_source(full, mesh, placements, src_data_rank)
-    for m, p in enumerate(placements):
-        # A replicated value as Partial: a sum keeps it on index 0 only; avg, max and min keep it everywhere.
-        if type(p) is Partial and p.reduce_op == "sum" and mesh._coord[m] != 0:
-            local = torch.zeros_like(local)
+    # A replicated value as Partial: sum (product) keeps it on index 0 only, zeros (ones) elsewhere;
+    # avg, max and min keep it everywhere.
+    held = partial_fill(placements, mesh._coord)
+    if held is not None:
+        local = torch.full_like(local, held)
     spec = make_spec(mesh, placements, tensor.shape, None, tensor.dtype)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 

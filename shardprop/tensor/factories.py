@@ -12,8 +12,8 @@ Where shardprop differs from the reference, on purpose:
   and the generator ends where one device's would. This works on CPU meshes too (the reference's
   raise ``AssertionError`` there). See ``shardprop.tensor.random_shards`` for how and at what cost.
 - ``Partial`` placements hold the factory's value as their reduction, as ``distribute_tensor`` does:
-  ``ones(4, placements=[Partial()])`` is ones (index 0 of the mesh dim holds them, the others zeros;
-  ``avg``/``max``/``min`` hold them everywhere). The reference fills every rank, so its sum is mesh-size.
+  ``ones(4, placements=[Partial()])`` is ones (index 0 of the mesh dim holds them, the others zeros, or
+  ones for ``product``; ``avg``/``max``/``min`` hold them everywhere). The reference fills every rank, so its sum is mesh-size.
 - ``linspace``/``logspace`` compute each point in float64 from its global index, with torch's
   two-sided formula (from ``start`` in the first half, from ``end`` in the second); values agree with
   ``torch.linspace`` to rounding, not always bit for bit (torch's vector kernel rounds differently).
@@ -34,7 +34,7 @@ from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import random_shards
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import local_shape_and_offset
-from shardprop.tensor.placement import Partial, Replicate, normalize_placements
+from shardprop.tensor.placement import Replicate, normalize_placements, partial_fill
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "linspace", "logspace"]
 
@@ -66,9 +66,9 @@ def _layout(name: str, size: torch.Size, device_mesh, placements, layout):
     return mesh, placements, shape, offset, device
 
 
-def _holds_zero(mesh, placements) -> bool:
-    """Whether this rank's part of a Partial(sum) value is zero (the value sits on index 0)."""
-    return any(type(p) is Partial and p.reduce_op == "sum" and mesh._coord[m] != 0 for m, p in enumerate(placements))
+def _holds_identity(mesh, placements):
+    """This rank's part of a sum/product Partial value off index 0 (0 or 1; None: it holds the value)."""
+    return partial_fill(placements, mesh._coord)
 
 
 def _wrap(local: torch.Tensor, mesh, placements, size, requires_grad: bool) -> DTensor:
@@ -82,9 +82,11 @@ def _filled(name, size, fill, dtype, layout, requires_grad, device_mesh, placeme
     if fill is None:
         local = torch.empty(shape, dtype=dtype, device=device)
     elif name != "full":  # zeros/ones: the default dtype, where full infers one from the value
-        local = (torch.zeros if fill == 0 or _holds_zero(mesh, placements) else torch.ones)(shape, dtype=dtype, device=device)
-    elif _holds_zero(mesh, placements):
-        local = torch.zeros(shape, dtype=torch.full((), fill, dtype=dtype).dtype, device=device)
+        held = _holds_identity(mesh, placements)
+        local = (torch.zeros if (fill if held is None else held) == 0 else torch.ones)(shape, dtype=dtype, device=device)
+    elif _holds_identity(mesh, placements) is not None:
+        local = torch.full(shape, _holds_identity(mesh, placements), dtype=torch.full((), fill, dtype=dtype).dtype,
+                           device=device)
     else:
         local = torch.full(shape, fill, dtype=dtype, device=device)
     return _wrap(local, mesh, placements, size, requires_grad)
@@ -140,8 +142,9 @@ def _random(name, kind, size, requires_grad, dtype, layout, device_mesh, placeme
     mesh, placements, shape, offset, device = _layout(name, size, device_mesh, placements, layout)
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     local = random_shards.draw_shard(kind, size, offset, shape, dtype, device)
-    if _holds_zero(mesh, placements):
-        local.zero_()
+    held = _holds_identity(mesh, placements)
+    if held is not None:
+        local.fill_(held)
     return _wrap(local, mesh, placements, size, requires_grad)
 
 
@@ -198,8 +201,9 @@ def _spaced(name, start, end, steps, base, dtype, layout, requires_grad, device_
     if base is not None:
         x = torch.pow(torch.tensor(base, dtype=work, device=device), x)
     local = x.to(dtype)
-    if _holds_zero(mesh, placements):
-        local.zero_()
+    held = _holds_identity(mesh, placements)
+    if held is not None:
+        local.fill_(held)
     return _wrap(local, mesh, placements, size, requires_grad)
 
 
