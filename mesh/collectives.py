@@ -30,6 +30,7 @@ _REDUCE_OPS = {
     "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
 }
 
 MeshDims = Union[int, str, Tuple[int, ...]]
@@ -277,6 +278,12 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t)
+    if n == 1:
+        # Over one rank (a tp=1 mesh, say) every reduction is the identity: no collective, no
+        # count, as the redistribution planner skips mesh dims of size 1. The result keeps the
+        # layout the collective would give (``t`` itself in place, else a fresh contiguous copy).
+        out = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+        return _done(out, async_op)
     if (not t.is_cpu or staging._forced) and _staged("all_reduce", t, group):
         host = _on_host(all_reduce, t, mesh, dims, op, inplace=True)
         return _done(t.copy_(host) if inplace else staging.to_device(host, t), async_op)

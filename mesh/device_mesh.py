@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copyreg
 import itertools
+import threading
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -51,6 +52,44 @@ def _newest_live(key: tuple) -> Optional["DeviceMesh"]:
 
 def _live_meshes() -> List["DeviceMesh"]:
     return list(_by_key.values())
+
+
+# Meshes entered with ``with mesh:`` on this thread, innermost last (torch keeps the same per-thread stack).
+_entered = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_entered, "meshes", None)
+    if stack is None:
+        stack = _entered.meshes = []
+    return stack
+
+
+def current_mesh() -> "DeviceMesh":
+    """The innermost mesh entered with ``with mesh:`` on this thread; RuntimeError if there is none.
+
+    Entry points whose ``device_mesh`` is optional in torch (``distribute_tensor``, ``from_local``,
+    ``distribute_module``, ``parallelize_module``, the factories) take it from here when left out.
+
+    Example:
+        >>> with mesh:  # doctest: +SKIP
+        ...     current_mesh() is mesh
+        True
+    """
+    stack = _stack()
+    if not stack:
+        raise RuntimeError("No device mesh is currently active: pass device_mesh, or call inside `with mesh:`")
+    return stack[-1]
+
+
+def mesh_or_current(device_mesh) -> "DeviceMesh":
+    """``device_mesh`` if given, else :func:`current_mesh` (what torch's entry points do with a missing mesh).
+
+    Example:
+        >>> mesh_or_current(None) is mesh  # inside `with mesh:`  # doctest: +SKIP
+        True
+    """
+    return device_mesh if device_mesh is not None else current_mesh()
 
 
 # First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
@@ -258,6 +297,14 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
 
     def __copy__(self) -> "DeviceMesh":
         return self
+
+    def __enter__(self) -> "DeviceMesh":
+        """``with mesh:`` makes this the current mesh (see :func:`current_mesh`) until the block ends."""
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _stack().pop()
 
     def __fx_repr__(self):
         """How generated graph code names this mesh (torch.compile's opaque value-type protocol)."""

@@ -43,7 +43,7 @@ TAG = 0x5D1C
 SMALL_ALL_REDUCE_BYTES = 768 << 10
 # ... and up to this tensor size when every rank of the group is reached through shared memory.
 SHM_ALL_REDUCE_BYTES = 1 << 20
-_REDUCE = {"sum": torch.sum, "avg": torch.sum, "max": torch.amax, "min": torch.amin}
+_REDUCE = {"sum": torch.sum, "avg": torch.sum, "max": torch.amax, "min": torch.amin, "product": torch.prod}
 
 _enabled = os.environ.get("SHARDPROP_DIRECT_COLLECTIVES", "1") != "0"
 

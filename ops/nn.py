@@ -111,6 +111,42 @@ def layer_norm_backward(ctx):
     return options
 
 
+# ------------------------------------------------------------------ rms norm (the fused kernel)
+# torch.rms_norm reaches aten._fused_rms_norm on CUDA (and wherever a backend registers a
+# kernel); elsewhere the op is composite and decomposes before it reaches a rule.
+@rule(aten._fused_rms_norm)
+def rms_norm(ctx):
+    """Shard a leading dim: out and rstd (input shape, 1 on normalized dims) follow it.
+
+    out = x * rstd(x) * weight is linear in weight, so a sum/avg-Partial weight gives a
+    Partial out; rstd only sees the input and stays replicated.
+    """
+    options = [(_inputs(ctx, input=Shard(d)), (Shard(d),) * 2) for d in _leading_dims(ctx, 0, 1)]
+    options.append((_inputs(ctx), (R,) * 2))
+    if type(_arg(ctx, 2, "weight")) is DTensorSpec:
+        options += [(_inputs(ctx, weight=p), (p, R)) for p in LINEAR_PARTIALS]
+    return options
+
+
+@rule(aten._fused_rms_norm_backward)
+def rms_norm_backward(ctx):
+    """grad_input follows a leading-dim shard; grad_weight sums over leading dims: P(sum).
+
+    Both are linear in grad_out, so a linear Partial grad_out passes through. grad_input
+    is linear in weight too (grad_weight does not see it): a Partial weight gives a
+    Partial grad_input and a replicated grad_weight. Outputs output_mask leaves out
+    (or grad_weight without a weight) are None and take no placement.
+    """
+    batch = ("grad_out", "input", "rstd")
+    options = [(_inputs(ctx, **{n: Shard(d) for n in batch}), (Shard(d), Partial("sum")))
+               for d in _leading_dims(ctx, 1, 2)]
+    options.append((_inputs(ctx), (R,) * 2))
+    options += [(_inputs(ctx, grad_out=p), (p,) * 2) for p in LINEAR_PARTIALS]
+    if type(_arg(ctx, 4, "weight")) is DTensorSpec:
+        options += [(_inputs(ctx, weight=p), (p, R)) for p in LINEAR_PARTIALS]
+    return options
+
+
 # ------------------------------------------------------------------ embedding
 @rule(aten.embedding)
 def embedding(ctx):

@@ -12,11 +12,13 @@ ranks the way a Partial does:
 * amax / amin / max / min (full): ``P(max)`` / ``P(min)``, offered only when no
   chunk is empty (a max over nothing raises);
 * any / all: ``P(max)`` / ``P(min)`` of booleans (empty chunks give the identity);
-* arg-reductions, prod, var, std, logsumexp, norms: no Partial combines them ->
+* prod: the local products multiply -> ``P(product)`` (an empty chunk's product is 1);
+* arg-reductions, var, std, logsumexp, norms: no Partial combines them ->
   the reduced dim must be replicated.
 
 Partial inputs pass through when the op commutes with the Partial's reduction:
-sum and mean are linear (``P(sum)``, ``P(avg)``); amax keeps ``P(max)``, amin ``P(min)``.
+sum and mean are linear (``P(sum)``, ``P(avg)``); amax keeps ``P(max)``, amin ``P(min)``, prod
+``P(product)``.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ COUNT = Reduction(("sum",))
 ANY = Reduction(("max",), empty_dims="none")
 ALL = Reduction(("min",), empty_dims="none")
 MINMAX = Reduction(("min", "max"), "nonempty")
+PROD = Reduction(("product",), "any", ("product",))
 REPLICATE = Reduction(None)
 
 # (packet name, overloads or None for every eligible one, kind)
@@ -74,12 +77,12 @@ TABLE = [
     ("any", ("default", "dim", "dims", "out", "dims_out", "all_out"), ANY),
     ("all", ("default", "dim", "dims", "out", "dims_out", "all_out"), ALL),
     ("aminmax", None, MINMAX),
+    ("prod", None, PROD),
     # No Partial combines these: a reduced dim must be whole on every rank.
     ("max", ("dim",), REPLICATE),
     ("min", ("dim",), REPLICATE),
     ("argmax", None, REPLICATE),
     ("argmin", None, REPLICATE),
-    ("prod", None, REPLICATE),
     ("var", None, REPLICATE),
     ("std", None, REPLICATE),
     ("var_mean", None, REPLICATE),

@@ -33,7 +33,7 @@ from .along_dim import arg
 
 aten = torch.ops.aten
 R = Replicate()
-ALL = ("sum", "avg", "max", "min")
+ALL = ("sum", "avg", "max", "min", "product")  # moves and copies of elements commute with every reduction
 LINEAR = ("sum", "avg")
 
 

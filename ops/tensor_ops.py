@@ -29,6 +29,8 @@ from shardprop.tensor.spec import DTensorSpec
 aten = torch.ops.aten
 R = Replicate()
 PARTIALS = tuple(Partial(op) for op in REDUCE_OPS)
+# Reductions of a value repeated on every rank that do not give the value back (n * v, v ** n).
+_NOT_IDEMPOTENT = ("sum", "product")
 
 COPIES = [aten.clone, aten.detach, aten._to_copy]
 COPY_INTO = [aten.copy, aten.copy_]
@@ -79,7 +81,7 @@ def copy_into(ctx):
             if src_is_dt:
                 ok = _partial_survives_cast(p, src.dtype, me.dtype)
             else:  # a plain scalar lands whole on every rank: only reductions that keep a repeated value
-                ok = p.reduce_op != "sum"
+                ok = p.reduce_op not in _NOT_IDEMPOTENT
             if not ok:
                 continue
         ins = (p,)
@@ -119,7 +121,7 @@ def fill(ctx):
     """Every rank writes the value: right for shards, Replicate, and avg/max/min Partials, not P(sum)."""
     me = ctx.args[0]
     in_place = ctx.returns == "self"
-    if in_place and Partial("sum") in me.placements:
+    if in_place and any(type(p) is Partial and p.reduce_op in _NOT_IDEMPOTENT for p in me.placements):
         raise ShardingError(
             f"{ctx.op}: cannot fill a Partial(sum) DTensor in place: every rank would hold the value, so "
             f"the tensor would read as (ranks) x value. Redistribute it (e.g. to Replicate) first, or use "
@@ -128,7 +130,7 @@ def fill(ctx):
     options = []
     for p in _placements(me.ndim):
         out = p
-        if p == Partial("sum"):
+        if type(p) is Partial and p.reduce_op in _NOT_IDEMPOTENT:
             if in_place:
                 continue
             out = R  # functional fill: each rank holds the whole filled tensor

@@ -28,6 +28,7 @@ from tests.rankpool import run_on_ranks
 aten = torch.ops.aten
 MESHES = {"1d": (4,), "2d": (2, 2)}
 R, P, PA, PM, PN = Replicate(), Partial("sum"), Partial("avg"), Partial("max"), Partial("min")
+PP = Partial("product")
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 
 
@@ -304,6 +305,7 @@ EXPECTED = [
     ("min_dim_keep", (S1,), (S1, S1)),
     ("argmax_d1", (S0,), S0),
     ("prod_d0", (S1,), S0),
+    ("prod_d0", (S0,), PP),  # local products multiply (the empty chunk's product is 1)
     ("var_d1", (S0,), S0),
     ("var_mean_d1", (S0,), (S0, S0)),
     ("logsumexp_d0", (S1,), S0),
@@ -338,7 +340,7 @@ MUST_MOVE = [
     ("argmax_d1", (S1,), ("1d", "2d")),       # indices would be local
     ("argmin_all", (S0,), ("1d", "2d")),
     ("max_dim", (S1,), ("1d", "2d")),
-    ("prod_d0", (S0,), ("1d", "2d")),
+    ("prod_d0", (P,), ("1d", "2d")),       # a product of sums is not a sum of products
     ("var_d1", (S1,), ("1d", "2d")),
     ("var_d1", (P,), ("1d", "2d")),
     ("logsumexp_d0", (S0,), ("1d", "2d")),

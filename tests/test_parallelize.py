@@ -310,7 +310,8 @@ def _error_cases():
             return
         raise AssertionError(f"{tag}: no ValueError")
 
-    expect("no match", lambda: parallelize_module(Stack(), mesh, {"layers.*.mlp.gate": ColwiseParallel()}),
+    expect("no match", lambda: parallelize_module(Stack(), mesh, {"layers.*.mlp.gate": ColwiseParallel()},
+                                                  strict=True),  # (the default warns, as torch does)
            "layers.*.mlp.gate", "ColwiseParallel", "matches no submodule")
     expect("bad type", lambda: parallelize_module(Block(), mesh, {"norm": ColwiseParallel()}),
            "ColwiseParallel", "'norm'", "LayerNorm", "nn.Linear")

@@ -4,7 +4,8 @@ Partial -> Replicate gradient reduction (shardprop.parallel.grad_sync), against 
 Covered: LayerNorm with and without bias, without affine parameters, RMSNorm; outputs, input and
 parameter gradients, parameters after SGD and AdamW steps; tp=2 and the tp dim of a 2x2 dp x tp
 mesh; one all-reduce for all replicated-parameter gradients of a backward; gradient accumulation
-over two backwards; ``torch.autograd.grad``; a custom norm module keeps the DTensor path.
+over two backwards; ``torch.autograd.grad``; a custom norm module keeps the DTensor path; a step on a
+one-rank tp mesh issues no collective at all (as torch's DTensor issues none).
 """
 import copy
 
@@ -182,3 +183,58 @@ def test_sp_fast_tp2():
 def test_sp_fast_dp_tp():
     counts = run_on_ranks(4, _cases, (2, 2))
     _expect_counts(counts[0])
+
+
+# ---------------------------------------------------------------- tp=1: a collective over one rank is a copy
+def _tp1_counts():
+    """Collectives of one training step on a one-rank tp mesh, shardprop's and the reference's (torch's DTensor)."""
+    import torch.distributed.tensor.parallel as ref_tp
+    from torch.distributed.device_mesh import init_device_mesh as ref_mesh
+    from torch.distributed.tensor import Replicate as RefR, Shard as RefS
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from shardprop.demo.model import Llama, LlamaConfig, lm_loss, synthetic_batch, tp_plan
+    from types import SimpleNamespace
+    ref_styles = SimpleNamespace(Shard=RefS, Replicate=RefR, ColwiseParallel=ref_tp.ColwiseParallel,
+                                 RowwiseParallel=ref_tp.RowwiseParallel, SequenceParallel=ref_tp.SequenceParallel,
+                                 PrepareModuleInput=ref_tp.PrepareModuleInput)
+    cfg = LlamaConfig(dim=16, n_layers=2, n_heads=2, vocab_size=32, seq_len=8)
+    tokens, targets = synthetic_batch(cfg, 2, 0)
+    plain_mlp = {"up": ColwiseParallel(), "down": RowwiseParallel()}  # no sequence parallelism: the R <-> P paths
+    out = {}
+    for name, build in (("llama", lambda: parallelize_module(Llama(cfg, 0), init_device_mesh("cpu", (1,)),
+                                                             tp_plan())),
+                        ("mlp", lambda: parallelize_module(_MLP(), init_device_mesh("cpu", (1,)), plain_mlp))):
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        counts = []
+        for _ in range(2):  # the first step builds caches; both must issue nothing
+            with comm_counter() as c:
+                y = model(tokens) if name == "llama" else model(torch.randn(4, 8))
+                loss = lm_loss(y, targets) if name == "llama" else y.pow(2).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            counts.append(dict(c.counts))
+        out[name] = counts
+    ref = ref_tp.parallelize_module(Llama(cfg, 0), ref_mesh("cpu", (1,)), tp_plan(ref_styles))
+    with CommDebugMode() as mode:
+        lm_loss(ref(tokens), targets).backward()
+    out["reference"] = mode.get_total_counts()
+    return out
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_tp1_step_issues_no_collectives():
+    out = run_on_ranks(1, _tp1_counts)[0]
+    assert out["reference"] == 0, out
+    assert out["llama"] == [{}, {}], out  # was {'all_reduce': 1} a step: the coalesced gradient sync
+    assert out["mlp"] == [{}, {}], out

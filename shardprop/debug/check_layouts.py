@@ -14,6 +14,8 @@ import torch
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
 
+# Partials tried for inputs and searched for outputs. "product" is judged when a rule offers it
+# (``_combine``) and may be asked for through ``input_layouts``, but is not enumerated: few ops keep it.
 REDUCTIONS = ("sum", "avg", "max", "min")
 
 
@@ -71,6 +73,14 @@ def _split_partial(value: torch.Tensor, reduce_op: str, k: int, gen: torch.Gener
         r = [noise() for _ in range(k)]
         mean = sum(r) / k
         parts = [work + x - mean for x in r]
+    elif reduce_op == "product":  # factors of either sign, away from zero; the last one makes up the value
+        parts = [(torch.rand(value.shape, generator=gen, dtype=torch.float64) + 0.5)
+                 * torch.where(torch.rand(value.shape, generator=gen) < 0.5, -1.0, 1.0).to(torch.float64)
+                 for _ in range(k - 1)]
+        rest = torch.ones_like(work)
+        for f in parts:
+            rest = rest * f
+        parts.append(work / rest)
     else:  # max/min: the true value on one rank per element (not always the same one)
         # The others are smaller (larger) by 10-50% of the value, so they keep its sign: an op with
         # a domain (log) still runs on them, and a clipping op (relu) does not zero them, which
@@ -131,6 +141,8 @@ def _combine(group: List[torch.Tensor], p: Placement, atol: float, rtol: float) 
         return stacked.sum(0)
     if p.reduce_op == "avg":
         return stacked.mean(0)
+    if p.reduce_op == "product":
+        return stacked.prod(0)
     return stacked.amax(0) if p.reduce_op == "max" else stacked.amin(0)
 
 

@@ -46,7 +46,7 @@ import torch
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
-from shardprop.tensor.placement import Partial, Replicate
+from shardprop.tensor.placement import Partial, Replicate, partial_fill
 from shardprop.tensor.redistribute import redistribute_local
 
 aten = torch.ops.aten
@@ -154,11 +154,10 @@ def _fill_inplace(op, args, kwargs):
     full = _empty_global(spec, local.device)
     op(full, *[_plain(a) for a in args[1:]], **{k: _plain(v) for k, v in (kwargs or {}).items()})
     mesh = spec.mesh
-    # A Partial(sum) tensor holds the value once: on index 0 of the mesh dim, zeros elsewhere.
-    zero = any(type(p) is Partial and p.reduce_op == "sum" and mesh._coord[m] != 0
-               for m, p in enumerate(spec.placements))
-    if zero:
-        local.zero_()
+    # A Partial(sum/product) tensor holds the value once: on index 0 of the mesh dim, zeros (ones) elsewhere.
+    held = partial_fill(spec.placements, mesh._coord)
+    if held is not None:
+        local.fill_(held)
     else:
         local.copy_(local_chunk(full, mesh, spec.placements))
     return self

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from torch import nn
+
+from shardprop.mesh.device_mesh import mesh_or_current
 
 from shardprop.parallel.styles import ParallelStyle, distribute_params, replicated
 from shardprop.tensor.dtensor import DTensor
@@ -28,7 +31,7 @@ def _distributed(module: nn.Module) -> nn.Module:
     return module
 
 
-def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Callable] = None,
+def distribute_module(module: nn.Module, device_mesh=None, partition_fn: Optional[Callable] = None,
                       input_fn: Optional[Callable] = None, output_fn: Optional[Callable] = None) -> nn.Module:
     """Make every parameter and buffer of ``module`` a DTensor on ``device_mesh``; add input/output hooks.
 
@@ -47,7 +50,7 @@ def distribute_module(module: nn.Module, device_mesh, partition_fn: Optional[Cal
         ...                   input_fn=lambda m, inputs, mesh: tuple(
         ...                       DTensor.from_local(x, mesh, [Replicate()]) for x in inputs))  # doctest: +SKIP
     """
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)
     for name, sub in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, sub, mesh)
@@ -94,16 +97,21 @@ def match_submodules(module: nn.Module, key: str) -> List[Tuple[str, nn.Module]]
     return found
 
 
-def parallelize_module(module: nn.Module, device_mesh, parallelize_plan: Plan) -> nn.Module:
+def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Optional[Plan] = None, *,
+                       src_data_rank: Optional[int] = 0, strict: bool = False) -> nn.Module:
     """Apply tensor-parallel styles to ``module`` on a 1-d mesh.
 
     ``parallelize_plan`` is one style (for ``module`` itself) or a dict from dotted submodule names
     to styles; an atom of a name may contain ``*`` wildcards (``"layers.*.feed_forward.w1"``). Styles
     are applied in the plan's order. On a multi-dim mesh pass the tensor-parallel sub-mesh,
-    ``mesh["tp"]``.
+    ``mesh["tp"]``; without ``device_mesh``, the mesh of the enclosing ``with mesh:``. ``src_data_rank`` is handed to ``distribute_tensor`` for every parameter: the
+    mesh rank whose weights every rank ends up with (default 0, the single-device semantics), or
+    None for each rank's own weights, cut locally.
 
-    Raises ValueError for a key that matches no submodule, a style on a module type it does not
-    support, or a weight dim that a style shards but the mesh size does not divide.
+    As torch's does, it warns and does nothing for a missing plan, and warns and skips a key that
+    matches no submodule; with ``strict=True`` both raise (TypeError, ValueError). Raises ValueError
+    for a style on a module type it does not support, or a weight dim that a style shards but the
+    mesh size does not divide.
 
     Example (a Llama-style model, plain tensor parallelism; attention and MLP each do one
     all-reduce forward and one backward; each rank runs n_heads // tp heads, so the model must
@@ -141,13 +149,20 @@ def parallelize_module(module: nn.Module, device_mesh, parallelize_plan: Plan) -
         ...     "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
         ... })  # doctest: +SKIP
     """
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)
+    if parallelize_plan is None:
+        if strict:
+            raise TypeError("parallelize_module: no parallelize_plan given (strict=True)")
+        warnings.warn("parallelize_module: no parallelize_plan given, so this call does nothing (torch's "
+                      "parallelize_module does the same; pass strict=True to raise instead)", stacklevel=2)
+        return module
     if mesh.ndim != 1:
         names = getattr(mesh, "mesh_dim_names", None)
         hint = f'mesh["{names[-1]}"]' if names else "a 1-d sub-mesh"
         raise ValueError(f"parallelize_module: tensor parallelism needs a 1-d mesh, got a {mesh.ndim}-d mesh "
                          f"{mesh}; pass the tensor-parallel sub-mesh, e.g. {hint}")
     if isinstance(parallelize_plan, ParallelStyle):
+        parallelize_plan.src_data_rank = src_data_rank  # the style's attribute, as torch's styles carry it
         return _distributed(parallelize_plan._apply(module, mesh, ""))
     if not isinstance(parallelize_plan, dict):
         raise TypeError(f"parallelize_module: the plan must be a ParallelStyle or a dict of name -> style, "
@@ -155,13 +170,18 @@ def parallelize_module(module: nn.Module, device_mesh, parallelize_plan: Plan) -
     for key, style in parallelize_plan.items():
         if not isinstance(style, ParallelStyle):
             raise TypeError(f"parallelize_module: plan key {key!r} maps to {style!r}, which is not a ParallelStyle")
+        style.src_data_rank = src_data_rank
         if key == "":
             style._apply(module, mesh, "")
             continue
         matches = match_submodules(module, key)
         if not matches:
-            raise ValueError(f"parallelize_module: plan key {key!r} ({type(style).__name__}) matches no submodule "
-                             f"of {type(module).__name__}; its children are {[n for n, _ in module.named_children()]}")
+            msg = (f"parallelize_module: plan key {key!r} ({type(style).__name__}) matches no submodule of "
+                   f"{type(module).__name__}; its children are {[n for n, _ in module.named_children()]}")
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(msg + "; skipping it (pass strict=True to raise instead)", stacklevel=2)
+            continue
         for name, sub in matches:
             style._apply(sub, mesh, name)
     return _distributed(module)

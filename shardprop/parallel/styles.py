@@ -85,8 +85,10 @@ def _as_tuple(v) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,)
 
 
-def distribute_params(module: nn.Module, mesh, placement_of) -> None:
+def distribute_params(module: nn.Module, mesh, placement_of, src_data_rank: Optional[int] = 0) -> None:
     """Make each direct parameter of ``module`` a DTensor Parameter laid out as ``placement_of(name)``.
+
+    ``src_data_rank`` goes to ``distribute_tensor``: whose values every rank gets (None: its own).
 
     Parameters that are DTensors already are kept (a module styled twice keeps its first
     layout). The gradient of each parameter is laid out like the parameter (a hook
@@ -103,7 +105,7 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
         if p is None or isinstance(p, DTensor):
             continue
         placement = placement_of(name) or R
-        dt = distribute_tensor(p.detach(), mesh, [placement])
+        dt = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=src_data_rank)
         param = nn.Parameter(dt, requires_grad=p.requires_grad)
         if p.requires_grad:
             param.register_hook(grad_like(param, param.placements))
@@ -132,7 +134,11 @@ class ParallelStyle:
     """Base class: a style lays out one module on a 1-d mesh via ``_apply(module, mesh, name)``.
 
     Subclasses install parameters (``distribute_params``) and forward hooks, and return the module.
+    ``src_data_rank`` (set by ``parallelize_module``, as torch's styles carry it) is the mesh rank
+    whose parameter values every rank gets; None: each rank keeps its own.
     """
+
+    src_data_rank: Optional[int] = 0
 
     def _apply(self, module: nn.Module, mesh, name: str = "") -> nn.Module:
         raise NotImplementedError
@@ -163,7 +169,7 @@ class _LinearStyle(ParallelStyle):
         params, in_default, desired_in, out_default, even = self._layouts(kind)
         for pname, dim in even:
             check_divisible(name, module, style, pname, dim, mesh)
-        distribute_params(module, mesh, params.get)
+        distribute_params(module, mesh, params.get, self.src_data_rank)
         in_layout = self.input_layouts or in_default
         out_layout = self.output_layouts or out_default
         use_local = self.use_local_output
@@ -262,7 +268,7 @@ class SequenceParallel(ParallelStyle):
 
     def _apply(self, module, mesh, name=""):
         for sub in module.modules():
-            distribute_params(sub, mesh, replicated)
+            distribute_params(sub, mesh, replicated, self.src_data_rank)
         seq = Shard(self.sequence_dim)
         use_local = self.use_local_output
         pre = functools.partial(_sequence_pre, mesh, seq)

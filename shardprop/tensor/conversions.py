@@ -13,7 +13,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import collectives as C
 from shardprop.mesh import compat
+from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
@@ -29,9 +31,11 @@ def grad_placements_for(placements):
 
 
 def _check_partial_grad(placements, where: str) -> None:
-    bad = [p for p in placements if type(p) is Partial and p.reduce_op in ("max", "min")]
+    bad = [p for p in placements if type(p) is Partial and p.reduce_op in ("max", "min", "product")]
     if bad:
-        raise RuntimeError(f"{where}: no gradient through {bad[0]!r} (which rank's value wins is not recorded); "
+        why = ("each rank's gradient depends on the others' values" if bad[0].reduce_op == "product"
+               else "which rank's value wins is not recorded")
+        raise RuntimeError(f"{where}: no gradient through {bad[0]!r} ({why}); "
                            "redistribute to Replicate before the differentiable part")
 
 
@@ -54,6 +58,7 @@ class FromLocal(torch.autograd.Function):
         ctx.outside = mesh._coord is None
         if run_check and not ctx.outside:  # outside the mesh there is no one to check with
             shape = _checked_global_shape(local, mesh, placements, shape)
+            local = _replicas_from_first(local, mesh, placements)
         elif shape is None:
             shape = list(local.shape)
             for m, p in enumerate(placements):
@@ -230,6 +235,46 @@ class Redistribute(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _cast(dt, dtype) -> "_dt.DTensor":
+    """``dt`` with its local tensor cast to ``dtype`` (no autograd; same layout)."""
+    if dtype is None or dtype == dt._local_tensor.dtype:
+        return dt
+    spec = dt._spec
+    meta = spec.tensor_meta
+    return _dt.DTensor(dt._local_tensor.to(dtype), _dt.make_spec(spec.mesh, spec.placements, meta.shape, meta.stride,
+                                                                 dtype), requires_grad=False)
+
+
+class RedistributeCast(torch.autograd.Function):
+    """``redistribute`` with ``forward_dtype`` / ``backward_dtype`` (torch's keyword arguments).
+
+    Forward: cast to ``forward_dtype``, then the collectives (the result is in ``forward_dtype``).
+    Backward: cast the gradient to ``backward_dtype`` (default: the input's dtype), run the
+    collectives back, and hand the input's dtype on. Kept apart from :class:`Redistribute` so
+    the common call pays nothing for it.
+    """
+
+    @staticmethod
+    def forward(ctx, dt, device_mesh, placements, async_op, forward_dtype, backward_dtype):
+        ctx.src = dt._spec
+        ctx.in_dtype = dt._local_tensor.dtype
+        ctx.backward_dtype = backward_dtype or ctx.in_dtype
+        cast = _cast(dt, forward_dtype)
+        out = _same_mesh(cast, device_mesh, placements, async_op, cast is not dt)
+        ctx.identity = out._spec.placements == ctx.src.placements
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _cast(grad, ctx.backward_dtype)
+        if not ctx.identity:
+            target = _grad_target(ctx.src.placements)
+            if grad._spec.placements != target:
+                local = redistribute_local(grad._local_tensor, grad._spec, target)
+                grad = _dt.DTensor(local, grad._spec.with_placements(target))
+        return _cast(grad, ctx.in_dtype), None, None, None, None, None
+
+
 # Redistribute.apply without its Python wrapper (``Function.apply`` only unwraps functorch wrappers
 # when no functorch transform is active, then calls this): a few microseconds less per call on the
 # tensor-parallel hot path, where styles redistribute activations several times per block.
@@ -255,14 +300,24 @@ def _grad_target(placements: tuple) -> tuple:
 _REPLICATE_ALL = "replicate on every mesh dim"
 
 
+_MAX_NDIM = 16
+
+
 def _checked_global_shape(local, mesh, placements, shape):
-    """Gather every rank's local shape and dtype; derive and check the global shape on all ranks."""
-    group_entry = mesh.group_for(tuple(range(mesh.ndim)))
-    group, ranks = group_entry
-    mine = torch.tensor([local.ndim, zlib.crc32(str(local.dtype).encode())] + list(local.shape) + [0] * (16 - local.ndim),
+    """Gather every rank's local metadata in one all-gather; derive and check the global shape on all ranks.
+
+    Ranks must agree on the dtype, requires_grad and the memory order of their pieces (the strides
+    they imply for the global tensor), and their shapes must be the pieces of one global shape
+    (uneven shards included); else every rank raises the same ValueError, as torch's run_check.
+    """
+    if local.ndim > _MAX_NDIM:
+        raise ValueError(f"from_local(run_check=True): tensors of more than {_MAX_NDIM} dims are not supported")
+    group, ranks = mesh.group_for(tuple(range(mesh.ndim)))
+    order = _dt.memory_order(local)
+    pad = [0] * (_MAX_NDIM - local.ndim)
+    mine = torch.tensor([local.ndim, zlib.crc32(str(local.dtype).encode()), int(local.requires_grad)]
+                        + list(local.shape) + pad + (list(order) + pad if order is not None else [-1] * _MAX_NDIM),
                         dtype=torch.int64)
-    if local.ndim > 16:
-        raise ValueError("from_local(run_check=True): tensors of more than 16 dims are not supported")
     mine = mine.to(local.device) if mesh.device_type != "cpu" else mine
     everyone = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(everyone, mine, group=group)
@@ -270,9 +325,12 @@ def _checked_global_shape(local, mesh, placements, shape):
     ranks = sorted(ranks)  # all_gather fills in group order, which is ascending global rank
     coords = {r: tuple(c) for r, c in zip(ranks, _coords_of(mesh, ranks))}
     problems = []
-    if len({(e[0], e[1]) for e in everyone}) != 1:
-        problems.append("ranks disagree on the local tensor's rank or dtype")
-    shapes = {r: tuple(e[2:2 + e[0]]) for r, e in zip(ranks, everyone)}
+    for what, at in (("the local tensor's number of dims", 0), ("dtype", 1), ("requires_grad", 2)):
+        if len({e[at] for e in everyone}) != 1:
+            problems.append(f"ranks disagree on {what}")
+    if not problems and len({tuple(e[3 + _MAX_NDIM:]) for e in everyone}) != 1:
+        problems.append("ranks disagree on the local tensor's stride (memory order), so on the global stride")
+    shapes = {r: tuple(e[3:3 + e[0]]) for r, e in zip(ranks, everyone)}
     if not problems:
         derived = list(shapes[ranks[0]])
         for d in range(len(derived)):
@@ -294,6 +352,21 @@ def _checked_global_shape(local, mesh, placements, shape):
     return shape
 
 
+def _replicas_from_first(local, mesh, placements):
+    """run_check's promise, as torch's: along each Replicate mesh dim every rank gets the first rank's data.
+
+    Broadcast into a copy: the caller's tensor is left as it was.
+    """
+    dims = [m for m, p in enumerate(placements) if type(p) is Replicate and mesh.shape[m] > 1]
+    if not dims:
+        return local
+    out = local.clone(memory_format=torch.preserve_format)  # same memory order: the same global stride
+    buf = out if out.is_contiguous() else out.contiguous()  # collectives take contiguous buffers
+    for m in dims:
+        C.broadcast(buf, mesh, (m,), src=0)
+    return out if buf is out else out.copy_(buf)
+
+
 def _coords_of(mesh, ranks):
     flat = mesh.mesh.flatten().tolist()
     out = []
@@ -312,17 +385,21 @@ def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, *,
                shape: Optional[Sequence[int]] = None, stride: Optional[Sequence[int]] = None) -> "_dt.DTensor":
     """Wrap this rank's shard as a DTensor (differentiable).
 
-    Without ``shape``, shards are assumed even; ``run_check=True`` gathers every
-    rank's local shape, derives the global shape (uneven shards included) and
-    raises on every rank if they are inconsistent. On a rank outside ``device_mesh``
-    the result, as in torch, has the global shape over an empty local tensor (the
-    given one is dropped), and nothing is checked or communicated.
+    Without ``device_mesh``, the mesh of the enclosing ``with mesh:`` block is used.
+    Without ``shape``, shards are assumed even; ``run_check=True`` gathers every rank's
+    local metadata in one small collective, derives the global shape (uneven shards
+    included) and raises ValueError on every rank if dtype, requires_grad, memory order
+    (stride) or shapes are inconsistent; as torch's, it then gives every rank the data of
+    the first rank along each Replicate mesh dim (a broadcast, into a copy). On a rank
+    outside ``device_mesh`` the result, as in torch, has the global shape over an empty
+    local tensor (the given one is dropped), and nothing is checked or communicated.
 
     Example:
         >>> dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # doctest: +SKIP
         >>> dt.shape  # 4 ranks  # doctest: +SKIP
         torch.Size([8, 4])
     """
+    device_mesh = mesh_or_current(device_mesh)
     return FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)
 
 
@@ -345,15 +422,23 @@ def to_local(self, *, grad_placements=None) -> torch.Tensor:
 other_mesh_redistribute = None
 
 
-def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False) -> "_dt.DTensor":
+def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False,
+                 forward_dtype: Optional[torch.dtype] = None,
+                 backward_dtype: Optional[torch.dtype] = None) -> "_dt.DTensor":
     """The same tensor laid out with ``placements`` (differentiable).
 
     A ``device_mesh`` other than this tensor's moves it to that mesh (see
     ``shardprop.checkpoint.cross_mesh``; every rank of both meshes must call it).
+    As torch's: ``forward_dtype`` casts before the collectives (the result has that dtype);
+    ``backward_dtype`` is the dtype the gradient's collectives run in (default: this tensor's
+    dtype), and the gradient comes back in this tensor's dtype.
 
     Example:
         >>> dt.redistribute(placements=[Replicate()])  # doctest: +SKIP
+        >>> dt.redistribute(placements=[Replicate()], forward_dtype=torch.bfloat16)  # gathers bf16  # doctest: +SKIP
     """
+    if forward_dtype is not None or backward_dtype is not None:
+        return _redistribute_cast(self, device_mesh, placements, async_op, forward_dtype, backward_dtype)
     if device_mesh is not None and not _is_compiling() and device_mesh != self._spec.mesh:
         if other_mesh_redistribute is None:
             raise ValueError(f"redistribute: cannot move a DTensor from {self._spec.mesh} to a different mesh "
@@ -375,6 +460,20 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
     # The same-mesh checks run inside (torch.compile records this call whole; a move to another
     # mesh is not supported under torch.compile and raises there).
     return Redistribute.apply(self, device_mesh, placements, async_op, owned)
+
+
+def _redistribute_cast(self, device_mesh, placements, async_op, forward_dtype, backward_dtype):
+    if device_mesh is not None and not _is_compiling() and device_mesh != self._spec.mesh:
+        if backward_dtype is not None:
+            raise NotImplementedError("redistribute: backward_dtype with a move to another mesh is not supported; "
+                                      "cast with .to() around the move instead")
+        return redistribute(self.to(forward_dtype), device_mesh, placements, async_op=async_op)
+    if placements is not None and type(placements) is not str:
+        placements = tuple(placements)
+    if not self.requires_grad and not _is_compiling():
+        cast = _cast(self, forward_dtype)
+        return _same_mesh(cast, device_mesh, placements, async_op, cast is not self)
+    return RedistributeCast.apply(self, device_mesh, placements, async_op, forward_dtype, backward_dtype)
 
 
 def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
@@ -400,6 +499,6 @@ _dt.DTensor.full_tensor = full_tensor
 
 # torch.compile: dynamo cannot trace a wrapper subclass's construction, so it must put these
 # three functions in its graph whole (AOTAutograd then traces through them).
-compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute)
+compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute, RedistributeCast)
 compile_support.when_dynamo_loads(lambda dynamo: compat.dynamo_traces_redistribute_of(_dt.DTensor),
                                   "letting dynamo trace DTensor.redistribute")

@@ -6,14 +6,16 @@ from typing import Optional
 import torch
 
 from shardprop.mesh import collectives as C
+from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.placement import Replicate, Shard, normalize_placements, partial_fill
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src_data_rank: Optional[int] = 0) -> DTensor:
-    """Distribute ``tensor`` over ``device_mesh`` with ``placements``.
+def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *,
+                      src_data_rank: Optional[int] = 0) -> DTensor:
+    """Distribute ``tensor`` over ``device_mesh`` (default: the mesh of the enclosing ``with mesh:``) with ``placements``.
 
     The data of the rank at flat index ``src_data_rank`` of the mesh (the global rank,
     for a mesh over all ranks in order; a sub-mesh's own first rank by default) is what
@@ -30,7 +32,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
     """
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor: the input already is a DTensor; use .redistribute()")
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, mesh.ndim, "distribute_tensor")
@@ -58,10 +60,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None, *, src
         local = local_chunk(full, mesh, placements)
     else:
         local = _from_source(full, mesh, placements, src_data_rank)
-    for m, p in enumerate(placements):
-        # A replicated value as Partial: a sum keeps it on index 0 only; avg, max and min keep it everywhere.
-        if type(p) is Partial and p.reduce_op == "sum" and mesh._coord[m] != 0:
-            local = torch.zeros_like(local)
+    # A replicated value as Partial: sum (product) keeps it on index 0 only, zeros (ones) elsewhere;
+    # avg, max and min keep it everywhere.
+    held = partial_fill(placements, mesh._coord)
+    if held is not None:
+        local = torch.full_like(local, held)
     spec = make_spec(mesh, placements, tensor.shape, None, tensor.dtype)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 

@@ -6,6 +6,8 @@ ones; ``_local_tensor`` holds this rank's shard. Every aten op on it goes throug
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from shardprop.tensor.compile_support import check_compile
@@ -22,6 +24,27 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
+def memory_order(local: torch.Tensor) -> Optional[tuple]:
+    """``local``'s dims from outermost to innermost in memory; None for row-major (the common case).
+
+    Contiguous, expanded and merely sliced tensors count as row-major: their global strides are
+    the contiguous ones (see :func:`stride_like`).
+
+    Example:
+        >>> memory_order(torch.ones(3, 4).t())
+        (1, 0)
+        >>> memory_order(torch.ones(3, 4)) is None
+        True
+    """
+    if local.is_contiguous():
+        return None
+    st = local.stride()
+    n = len(st)
+    if 0 in st or all(st[i] >= st[i + 1] for i in range(n - 1)):  # expanded or only sliced: keep row-major
+        return None
+    return tuple(sorted(range(n), key=lambda d: (-st[d], d)))
+
+
 def stride_like(local: torch.Tensor, shape) -> tuple:
     """Global strides for ``shape`` that keep ``local``'s dim order (contiguous when ``local`` is).
 
@@ -32,14 +55,10 @@ def stride_like(local: torch.Tensor, shape) -> tuple:
         >>> stride_like(torch.ones(3, 4).t(), (8, 3))
         (1, 8)
     """
-    if local.is_contiguous():
+    order = memory_order(local)
+    if order is None:
         return _contiguous_stride(shape)
-    st = local.stride()
-    n = len(shape)
-    if 0 in st or all(st[i] >= st[i + 1] for i in range(n - 1)):  # expanded or only sliced: keep row-major
-        return _contiguous_stride(shape)
-    order = sorted(range(n), key=lambda d: (-st[d], d))  # outermost memory dim first
-    out, acc = [0] * n, 1
+    out, acc = [0] * len(shape), 1
     for d in reversed(order):
         out[d] = acc
         acc *= max(shape[d], 1)

@@ -12,8 +12,8 @@ Where shardprop differs from the reference, on purpose:
   and the generator ends where one device's would. This works on CPU meshes too (the reference's
   raise ``AssertionError`` there). See ``shardprop.tensor.random_shards`` for how and at what cost.
 - ``Partial`` placements hold the factory's value as their reduction, as ``distribute_tensor`` does:
-  ``ones(4, placements=[Partial()])`` is ones (index 0 of the mesh dim holds them, the others zeros;
-  ``avg``/``max``/``min`` hold them everywhere). The reference fills every rank, so its sum is mesh-size.
+  ``ones(4, placements=[Partial()])`` is ones (index 0 of the mesh dim holds them, the others zeros, or
+  ones for ``product``; ``avg``/``max``/``min`` hold them everywhere). The reference fills every rank, so its sum is mesh-size.
 - On a rank outside ``device_mesh`` every factory returns, as torch's do, the global spec over an
   empty local tensor (shape ``(0,)``); ``rand``/``randn`` draw nothing there (the generator of a rank
   outside stays where it was, as in torch, whose outside ranks skip the random kernel).
@@ -33,10 +33,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import random_shards
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import local_shape_and_offset
-from shardprop.tensor.placement import Partial, Replicate, normalize_placements
+from shardprop.tensor.placement import Replicate, normalize_placements, partial_fill
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "linspace", "logspace"]
 
@@ -53,13 +54,11 @@ def _size(size) -> torch.Size:
 
 def _layout(name: str, size: torch.Size, device_mesh, placements, layout):
     """(mesh, placements, local shape, offset, device) for a factory call; checks the arguments."""
-    if device_mesh is None:
-        raise ValueError(f"shardprop.{name}: give device_mesh= (shardprop has no current-mesh context)")
     if layout != torch.strided:
         raise ValueError(f"shardprop.{name}: layout {layout} is not supported; only torch.strided")
     if any(s < 0 for s in size):
         raise ValueError(f"shardprop.{name}: negative size in {tuple(size)}")
-    mesh = device_mesh
+    mesh = mesh_or_current(device_mesh)  # torch's factories take the `with mesh:` mesh too
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     placements = normalize_placements(placements, len(size), mesh.ndim, f"shardprop.{name}")
@@ -71,11 +70,10 @@ def _layout(name: str, size: torch.Size, device_mesh, placements, layout):
     return mesh, placements, shape, offset, device
 
 
-def _holds_zero(mesh, placements) -> bool:
-    """Whether this rank's part of a Partial(sum) value is zero (the value sits on index 0)."""
+def _holds_identity(mesh, placements):
+    """This rank's part of a sum/product Partial value off index 0 (0 or 1; None: it holds the value)."""
     coord = mesh._coord
-    return coord is not None and any(type(p) is Partial and p.reduce_op == "sum" and coord[m] != 0
-                                     for m, p in enumerate(placements))
+    return None if coord is None else partial_fill(placements, coord)
 
 
 def _wrap(local: torch.Tensor, mesh, placements, size, requires_grad: bool) -> DTensor:
@@ -89,9 +87,11 @@ def _filled(name, size, fill, dtype, layout, requires_grad, device_mesh, placeme
     if fill is None:
         local = torch.empty(shape, dtype=dtype, device=device)
     elif name != "full":  # zeros/ones: the default dtype, where full infers one from the value
-        local = (torch.zeros if fill == 0 or _holds_zero(mesh, placements) else torch.ones)(shape, dtype=dtype, device=device)
-    elif _holds_zero(mesh, placements):
-        local = torch.zeros(shape, dtype=torch.full((), fill, dtype=dtype).dtype, device=device)
+        held = _holds_identity(mesh, placements)
+        local = (torch.zeros if (fill if held is None else held) == 0 else torch.ones)(shape, dtype=dtype, device=device)
+    elif _holds_identity(mesh, placements) is not None:
+        local = torch.full(shape, _holds_identity(mesh, placements), dtype=torch.full((), fill, dtype=dtype).dtype,
+                           device=device)
     else:
         local = torch.full(shape, fill, dtype=dtype, device=device)
     return _wrap(local, mesh, placements, size, requires_grad)
@@ -149,8 +149,9 @@ def _random(name, kind, size, requires_grad, dtype, layout, device_mesh, placeme
     if mesh._coord is None:  # torch's ranks outside the mesh draw nothing: their generators stay put
         return _wrap(torch.empty(shape, dtype=dtype, device=device), mesh, placements, size, requires_grad)
     local = random_shards.draw_shard(kind, size, offset, shape, dtype, device)
-    if _holds_zero(mesh, placements):
-        local.zero_()
+    held = _holds_identity(mesh, placements)
+    if held is not None:
+        local.fill_(held)
     return _wrap(local, mesh, placements, size, requires_grad)
 
 
@@ -207,8 +208,9 @@ def _spaced(name, start, end, steps, base, dtype, layout, requires_grad, device_
     if base is not None:
         x = torch.pow(torch.tensor(base, dtype=work, device=device), x)
     local = x.to(dtype)
-    if _holds_zero(mesh, placements):
-        local.zero_()
+    held = _holds_identity(mesh, placements)
+    if held is not None:
+        local.fill_(held)
     return _wrap(local, mesh, placements, size, requires_grad)
 
 

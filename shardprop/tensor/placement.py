@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+# Other spellings a user may give (torch.distributed.ReduceOp calls it PRODUCT; torch.prod "prod").
+_ALIASES = {"prod": "product"}
 
 
 class Placement:
@@ -78,6 +80,8 @@ class Partial(Placement):
     reduce_op: str = "sum"
 
     def __post_init__(self):
+        if self.reduce_op in _ALIASES:  # one spelling, so Partial("prod") == Partial("product")
+            object.__setattr__(self, "reduce_op", _ALIASES[self.reduce_op])
         if self.reduce_op not in REDUCE_OPS:
             raise ValueError(f"Partial: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
 
@@ -86,6 +90,27 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"P({self.reduce_op})"
+
+
+def partial_fill(placements, coord):
+    """What this rank holds of a value laid out as ``placements`` that is not its to hold, or None.
+
+    A sum (product) Partial keeps the value on index 0 of its mesh dim and zeros (ones)
+    elsewhere; avg, max and min keep it everywhere. Zero wins over one: with a sum and a
+    product on different mesh dims the value comes back in either order of reduction.
+
+    Example:
+        >>> partial_fill((Partial("product"),), (2,)), partial_fill((Partial("max"),), (2,))
+        (1, None)
+    """
+    fill = None
+    for m, p in enumerate(placements):
+        if type(p) is Partial and coord[m] != 0:
+            if p.reduce_op == "sum":
+                return 0
+            if p.reduce_op == "product":
+                fill = 1
+    return fill
 
 
 def normalize_placements(placements, ndim: int, mesh_ndim: int, where: str = "placements") -> tuple:

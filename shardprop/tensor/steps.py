@@ -28,7 +28,7 @@ from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import permute
 from shardprop.tensor.layout import chunk_bounds, local_shape_and_offset
-from shardprop.tensor.placement import Replicate
+from shardprop.tensor.placement import Replicate, partial_fill
 
 # Steps after which the local tensor is a new buffer of ours (a collective's output).
 MOVES = frozenset({"all_gather", "all_to_all", "reduce_scatter", "all_reduce", "p2p"})
@@ -363,11 +363,12 @@ def _prep_chunk(step, cur, spec, shape):
 
 def _prep_to_partial(step, cur, spec, shape):
     m = step.mesh_dims[0]
-    zeros = step.dst[0].reduce_op == "sum" and spec.mesh._coord[m] != 0
+    # Sum and product keep the value on index 0 and their identity elsewhere; avg/max/min keep it everywhere.
+    identity = partial_fill(step.dst, (spec.mesh._coord[m],))
 
     def to_partial(local, owned, async_op):
-        if zeros:
-            return torch.zeros_like(wait_all(local))
+        if identity is not None:
+            return torch.full_like(wait_all(local), identity)
         return local if owned else copy(wait_all(local))
     return to_partial, shape
 
