@@ -123,28 +123,41 @@ def _full(p):
 
 def run_steps(recipe: dict, model, opt, dp, steps) -> list:
     """Train ``model`` on the given steps' batches (this rank's rows of ``dp``); the losses averaged over all ranks."""
-    from shardprop.demo.model import lm_loss, synthetic_batch
+    from shardprop.demo.model import synthetic_batch
     losses = []
     for step in steps:
         x, y = (_rows(t, dp) for t in synthetic_batch(cfg(), BATCH, step, 0))
-        if recipe.get("accumulate"):
-            h = x.shape[0] // 2
-            model.set_requires_gradient_sync(False)
-            (lm_loss(model(x[:h]), y[:h]) / 2).backward()
-            model.set_requires_gradient_sync(True)
-            (lm_loss(model(x[h:]), y[h:]) / 2).backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-            with torch.no_grad():
-                loss = lm_loss(model(x), y)
-        else:
-            loss = lm_loss(model(x), y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().reshape(1).clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / dist.get_world_size())
+        losses.append(mean_over_ranks(one_step(recipe, model, opt, x, y)))
     return losses
+
+
+def one_step(recipe: dict, model, opt, x, y):
+    """One optimizer step on ``(x, y)``; its loss. With ``accumulate``: two half micro-batches (the first
+    without gradient sync where the model has the switch), clipping at norm 1, then the loss of the whole."""
+    from shardprop.demo.model import lm_loss
+    if recipe.get("accumulate"):
+        sync = getattr(model, "set_requires_gradient_sync", None)
+        h = x.shape[0] // 2
+        for last, part in ((False, slice(0, h)), (True, slice(h, None))):
+            if sync is not None:
+                sync(last)
+            (lm_loss(model(x[part]), y[part]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        with torch.no_grad():
+            loss = lm_loss(model(x), y)
+    else:
+        loss = lm_loss(model(x), y)
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def mean_over_ranks(loss) -> float:
+    """The mean over every rank of a per-rank loss."""
+    t = loss.detach().reshape(1).clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
 
 
 def full_params(model) -> dict:
@@ -192,28 +205,14 @@ def plan_key_matches(module, key: str) -> bool:
 
 def reference(recipe: dict, steps: int = STEPS):
     """The same recipe in one process on the full batch."""
-    from shardprop.demo.model import Llama, lm_loss, synthetic_batch
+    from shardprop.demo.model import Llama, synthetic_batch
     from shardprop.demo.recipes import add_lora, apply_ac, strip_wrapper_names
     model = Llama(cfg(), 0)
     if recipe.get("lora"):
         add_lora(model, rank=4)
     apply_ac(model, recipe.get("ac"))
     opt = _optimizer(model)
-    losses = []
-    for step in range(steps):
-        x, y = synthetic_batch(cfg(), BATCH, step, 0)
-        if recipe.get("accumulate"):
-            for part in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
-                (lm_loss(model(x[part]), y[part]) / 2).backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-            with torch.no_grad():
-                loss = lm_loss(model(x), y)
-        else:
-            loss = lm_loss(model(x), y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = [one_step(recipe, model, opt, *synthetic_batch(cfg(), BATCH, step, 0)).item() for step in range(steps)]
     return losses, {strip_wrapper_names(n): p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -232,7 +232,7 @@ def _cp_fsdp_ac():
     """Context parallelism over "cp" (2 ranks) x FSDP over all 4 ranks, with activation checkpointing."""
     import dataclasses
     import shardprop
-    from shardprop.demo.model import Llama, cp_buffers, lm_loss, synthetic_batch
+    from shardprop.demo.model import Llama, cp_buffers, synthetic_batch
     from shardprop.demo.recipes import apply_ac, strip_wrapper_names
     cfg = dataclasses.replace(recipes.cfg(), sdpa=True)
     mesh = shardprop.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
@@ -247,30 +247,19 @@ def _cp_fsdp_ac():
         x, y = (recipes._rows(t, mesh["dp"]) for t in synthetic_batch(cfg, recipes.BATCH, step, 0))
         buffers, dims = cp_buffers(model, x, y)
         with shardprop.context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=dims, no_restore_buffers={x, y}):
-            loss = lm_loss(model(x), y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().reshape(1).clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / 4)
+            loss = recipes.one_step({}, model, opt, x, y)
+        losses.append(recipes.mean_over_ranks(loss))
     return losses, {strip_wrapper_names(n): p.full_tensor() for n, p in model.named_parameters()}
 
 
 def test_context_parallel_with_fsdp_and_ac():
     import dataclasses
-    from shardprop.demo.model import Llama, lm_loss, synthetic_batch
+    from shardprop.demo.model import Llama, synthetic_batch
     cfg = dataclasses.replace(recipes.cfg(), sdpa=True)
     ref = Llama(cfg, 0)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    ref_losses = []
-    for step in range(recipes.STEPS):
-        x, y = synthetic_batch(cfg, recipes.BATCH, step, 0)
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = [recipes.one_step({}, ref, opt, *synthetic_batch(cfg, recipes.BATCH, step, 0)).item()
+                  for step in range(recipes.STEPS)]
     want = (ref_losses, {n: p.detach() for n, p in ref.named_parameters()})
     for got in run_on_ranks(4, _cp_fsdp_ac, timeout=240):
         assert not recipes.compare(got, want), recipes.compare(got, want)[:6]
