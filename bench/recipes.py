@@ -11,7 +11,9 @@ Peak memory is measured the same way for both engines: a ``TorchDispatchMode`` t
 op, sums the bytes of every live tensor storage (weak references, so a tensor autograd keeps for
 backward counts until backward frees it; a DTensor counts its local shard; parameters, shards and
 optimizer state that exist before the step count as well). Memory outside torch's dispatcher
-(the transports' own buffers) is not counted, for either engine.
+(the transports' own buffers) is not counted, for either engine; nor are the buffers shardprop's
+CPU buffer pool keeps idle for reuse (``shardprop.mesh.buffer_pool``: no tensor holds them, as
+torch's ``memory_allocated`` leaves its caching allocator out): the table shows their peak.
 
     python bench/recipes.py [--dim 256] [--layers 4] [--seq 128] [--batch 8] [--json out.json]
 """
@@ -34,6 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from _launch import launch  # noqa: E402
+from shardprop.mesh import buffer_pool  # noqa: E402
 from tests import recipes  # noqa: E402
 
 MEMORY_RECIPES = {
@@ -74,7 +77,10 @@ class PeakBytes(TorchDispatchMode):
                 self.live[key] = weakref.ref(st)
 
     def now(self) -> int:
-        total, dead = 0, []
+        # Buffers shardprop's pool keeps for reuse but nobody holds are not in use (torch's
+        # memory_allocated leaves its allocator's reserve out likewise); `idle` reports them.
+        self.idle = max(getattr(self, "idle", 0), buffer_pool.idle_bytes())
+        total, dead = -buffer_pool.idle_bytes(), []
         for key, ref in self.live.items():
             st = ref()
             if st is None:
@@ -136,9 +142,9 @@ def _memory_job(recipe, engine, size):
         base = mem.peak
         step(2)
     opt.zero_grad(set_to_none=True)
-    peak = torch.tensor([float(mem.peak), float(mem.peak - base)])
+    peak = torch.tensor([float(mem.peak), float(mem.peak - base), float(getattr(mem, "idle", 0))])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return dict(peak=int(peak[0]), above_start=int(peak[1]), counts=counts)
+    return dict(peak=int(peak[0]), above_start=int(peak[1]), pool_idle=int(peak[2]), counts=counts)
 
 
 def _body(rank, world, size):
@@ -188,13 +194,14 @@ def main(argv=None):
                 print(f"      {who}: {r[1]}")
     print("\npeak tensor memory of one training step above what is resident before it (activations, gathered")
     print("parameters, gradients; max over ranks), and the step's all-gathers and reduce-scatters")
-    print(f"  {'recipe':<20} {'shardprop':>12} {'torch':>12} {'ratio':>6}   collectives shardprop | torch")
+    print(f"  {'recipe':<20} {'shardprop':>12} {'torch':>12} {'ratio':>6} {'pool idle':>10}   collectives shardprop | torch")
     rows = []
     for name in MEMORY_RECIPES:
         o, t = res["memory"][(name, "shardprop")], res["memory"][(name, "torch")]
         ratio = o["above_start"] / t["above_start"]
         fmt_c = lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if "gather" in k or "scatter" in k)  # noqa: E731
-        print(f"  {name:<20} {_fmt(o['above_start']):>12} {_fmt(t['above_start']):>12} {ratio:6.2f}   {fmt_c(o['counts'])} | "
+        print(f"  {name:<20} {_fmt(o['above_start']):>12} {_fmt(t['above_start']):>12} {ratio:6.2f} "
+              f"{_fmt(o['pool_idle']):>10}   {fmt_c(o['counts'])} | "
               f"{fmt_c(t['counts'])}")
         rows.append(dict(recipe=name, shardprop=o, torch=t, ratio=ratio))
     if a.json:

@@ -61,6 +61,11 @@ def _sig(r, values=True):
     return ("V", r)
 
 
+# Entries whose reference fails on ranks outside the mesh on some release: torch 2.11's DTensor
+# raises IndexError for max(dim) there (2.13 and 2.15 give the empty shard, as ours does).
+REFERENCE_BUGS = {"max dim (tuple)"}
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
@@ -160,6 +165,8 @@ def _side_by_side(name):
             except Exception as e:
                 want = f"raised {type(e).__name__}: {e}"[:300]
             checked += 1
+            if not inside and what in REFERENCE_BUGS and isinstance(want, str) and not isinstance(ours, str):
+                continue  # the reference's own outside-rank path fails on this release; ours is checked on the others
             if not _same(ours, want):
                 errors.append(f"{where}: ours {ours} vs reference {want}")
     # from_local(run_check=True): the reference's check is a world-wide all_gather_object that the
