@@ -230,6 +230,11 @@ def _user_options(ctx: PropContext, options, where: str) -> list:
             out.append(opt)  # _norm_option says what is wrong
             continue
         ins, outs = tuple(opt[0]), opt[1]
+        if ctx.out_metas and ctx.returns != "list" and len(outs) != len(ctx.out_metas):
+            # Most often torch's (outputs, inputs) order given to shardprop's (inputs, outputs).
+            raise ShardingError(f"{where}: an option gives {len(outs)} output entries for {len(ctx.out_metas)} "
+                                f"outputs; shardprop.register_sharding takes (inputs, outputs) pairs, "
+                                f"shardprop.experimental.register_sharding torch's (outputs, inputs)")
         if len(ins) == n and not any(p is None for p in ins):
             out.append((ins, outs))
             continue
@@ -381,7 +386,7 @@ def propagate_uncached(schema: OpSchema) -> OutputSharding:
     return _propagate_uncounted(schema, cached=False)
 
 
-def _propagate_uncounted(schema: OpSchema, cached: bool = True) -> OutputSharding:
+def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool = True) -> OutputSharding:
     op = schema.op
     ctx = PropContext(schema, cached)
     if not ctx.specs:
@@ -426,10 +431,10 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True) -> OutputShardin
         if meta is None:
             out_specs.append(None)
             continue
-        if j >= len(out_pl) or out_pl[j] is None:
+        if j >= len(out_pl) or out_pl[j] is None or any(p is None for p in out_pl[j]):
             raise ShardingError(f"{where}: gives no placement for output {j}")
         out_specs.append(DTensorSpec(mesh, _normalize_out(out_pl[j], len(meta.shape), where), meta))
-    if returns == "out":
+    if returns == "out" and check_out:  # the rule checker asks first, then makes out= match
         out_specs = _check_out(schema, out_specs, where)
     if (self_fixed and out_specs and out_specs[0] is not None and out_specs[0].placements != ctx.specs[0].placements
             and out_specs[0].placements != in_specs[0].placements):  # equal: a Partial target reduced in place
