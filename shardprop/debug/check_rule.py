@@ -51,9 +51,8 @@ from shardprop.debug.check_layouts import (
     placement_options,
     seeded,
 )
-from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.debug.check_out import build_schema, out_dtensors
 from shardprop.dispatch import propagate as _prop
-from shardprop.dispatch.op_schema import OpSchema
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement
 
@@ -251,18 +250,6 @@ def _unpack(packed):
     return flat.view(dtype).reshape(shape)
 
 
-def _build_schema(op, dt_args, dt_kwargs) -> OpSchema:
-    """The cache key dispatch would build for this call (its own flattening, so they agree)."""
-    largs, key = [], []
-    _dispatch._flatten(dt_args, largs, key)
-    kkey = ()
-    if dt_kwargs:
-        vals, kk = [], []
-        _dispatch._flatten(dt_kwargs.values(), vals, kk)
-        kkey = tuple(zip(dt_kwargs.keys(), kk))
-    return OpSchema(op, tuple(key), kkey)
-
-
 def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
     """Ask the rule, run locally. Returns (verdict info, payload to gather); never communicates.
 
@@ -279,10 +266,13 @@ def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
         i = next(it)
         return DTensor.from_local(local_of(i, combo[i]), mesh, combo[i], shape=t.shape, stride=t.stride())
 
+    written = _prop.written_kwargs(op)
     dt_args = map_tensors(sample_args, to_dtensor)
-    dt_kwargs = {k: map_tensors(v, to_dtensor) for k, v in sample_kwargs.items()}
+    dt_kwargs = {k: v if k in written else map_tensors(v, to_dtensor) for k, v in sample_kwargs.items()}
     try:
-        sharding = _prop._propagate_uncounted(_build_schema(op, dt_args, dt_kwargs))
+        if any(k in written for k in dt_kwargs):
+            dt_kwargs = out_dtensors(op, dt_args, dt_kwargs, [k for k in dt_kwargs if k in written], mesh)
+        sharding = _prop._propagate_uncounted(build_schema(op, dt_args, dt_kwargs))
         kind = "redistributed" if sharding.needs_redistribute else "accepted"
     except _prop.ShardingError as e:  # the engine refuses this layout: the same on every rank
         sharding, kind = f"{type(e).__name__}: {e}", "rejected"
@@ -295,7 +285,10 @@ def _run_combo(op, sample_args, sample_kwargs, combo, mesh, local_of):
             outs = [r._local_tensor if isinstance(r, DTensor) else r for r in res]
             placements = tuple(r._spec.placements if isinstance(r, DTensor) else None for r in res)
         else:  # what running on the shards as they are would give
+            # out= targets: empty, so the op sizes them for the shards without a resize warning
             unwrap = lambda a: a._local_tensor if isinstance(a, DTensor) else a  # noqa: E731
+            dt_kwargs = {k: map_tensors(v, _unsized) if k in written else v
+                         for k, v in dt_kwargs.items()}
             outs = _flat_outputs(op(*map_tensors(dt_args, unwrap),
                                     **{k: map_tensors(v, unwrap) for k, v in dt_kwargs.items()}))
         payload = ("ok", [_pack(o) for o in outs])
@@ -310,6 +303,10 @@ def _run_combo_safely(*args):
         return _run_combo(*args)
     except Exception as e:
         return ("crashed", f"{type(e).__name__}: {e}", None), None
+
+
+def _unsized(t) -> torch.Tensor:
+    return torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 def _is_slot(t) -> bool:
@@ -337,8 +334,10 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     samples are replaced by non-round values of the same shape, strides and dtype
     with both signs (positive only if the sample is non-negative); pass
     ``perturb=False`` for ops that need values in a narrower domain. The op must be
-    deterministic; ``out=`` is not supported (check the functional op). Other keyword
-    arguments are the op's.
+    deterministic. Other keyword arguments are the op's; tensors in the ones it writes
+    (``out=``, ``min=``/``min_indices=`` of ``aten.min.dim_min``) are not inputs: each
+    combination gives them the placements the rule gives the outputs, and the values
+    written are what is checked.
 
     Example:
         >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
@@ -348,8 +347,6 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
         (True, True)
         >>> print(r)  # a table of every finding and a summary line  # doctest: +SKIP
     """
-    if "out" in sample_kwargs:
-        raise ValueError("check_sharding_rule: out= variants are not supported; check the functional op")
     if mesh is None:
         from shardprop.mesh import init_device_mesh
         cuda = any(t.is_cuda for t in _leaves((sample_args, sample_kwargs)))
@@ -372,14 +369,16 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
         fix = lambda t: t.detach().clone()  # noqa: E731
     sample_args = map_tensors(tuple(sample_args), fix)
     sample_kwargs = {k: map_tensors(v, fix) for k, v in sample_kwargs.items()}
-    slots = [t for t in _leaves((sample_args, sample_kwargs)) if _is_slot(t)]
+    written = _prop.written_kwargs(op)
+    read_kwargs = {k: v for k, v in sample_kwargs.items() if k not in written}
+    slots = [t for t in _leaves((sample_args, read_kwargs)) if _is_slot(t)]
     if not slots:
         raise ValueError("check_sharding_rule: the sample has no tensor argument with a dim to distribute")
     clone = lambda t: t.clone()  # noqa: E731  (in-place ops must not change the sample)
     refs = _flat_outputs(op(*map_tensors(sample_args, clone),
                             **{k: map_tensors(v, clone) for k, v in sample_kwargs.items()}))
 
-    names = _slot_names(sample_args, sample_kwargs)
+    names = _slot_names(sample_args, read_kwargs)
     if input_layouts is not None:
         combos = [tuple(_as_layout(p) for p in c) for c in input_layouts]
         bad = [c for c in combos if len(c) != len(slots) or any(len(l) != mesh.ndim for l in c)]

@@ -214,6 +214,87 @@ def _norm_option(opt, n_in: int, where: str):
     return ins, outs
 
 
+def _user_options(ctx: PropContext, options, where: str) -> list:
+    """A user rule's options with one input entry per DTensor input (the engine's form).
+
+    A user rule may give one entry per DTensor input, or one per argument as given
+    (positional, then keyword) with None for non-tensor ones, as torch's rules do; entries
+    for ``out=`` tensors are dropped (the engine places those as the outputs). Other
+    lengths: the None entries are dropped, as torch drops them.
+    """
+    n = len(ctx.specs)
+    args = None
+    out = []
+    for opt in options:
+        if not isinstance(opt, (tuple, list)) or len(opt) != 2:
+            out.append(opt)  # _norm_option says what is wrong
+            continue
+        ins, outs = tuple(opt[0]), opt[1]
+        if ctx.out_metas and ctx.returns != "list" and len(outs) != len(ctx.out_metas):
+            # Most often torch's (outputs, inputs) order given to shardprop's (inputs, outputs).
+            raise ShardingError(f"{where}: an option gives {len(outs)} output entries for {len(ctx.out_metas)} "
+                                f"outputs; shardprop.register_sharding takes (inputs, outputs) pairs, "
+                                f"shardprop.experimental.register_sharding torch's (outputs, inputs)")
+        if len(ins) == n and not any(p is None for p in ins):
+            out.append((ins, outs))
+            continue
+        if args is None:
+            args = _arguments(ctx.schema)
+        out.append((_align_inputs(ins, args, n, where), outs))
+    return out
+
+
+def _arguments(schema: OpSchema) -> list:
+    """(name, kind, DTensors in it) per argument as given; kind: "in", "list", "written" or "other"."""
+    try:
+        names = [a.name for a in schema.op._schema.arguments]
+    except AttributeError:
+        names = []
+    written = written_kwargs(schema.op)
+    given = [(names[i] if i < len(names) else f"args[{i}]", a) for i, a in enumerate(schema.args)]
+    out = []
+    for name, a in given + list(schema.kwargs):
+        n = 1 if type(a) is DTensorSpec else len(_specs_in(a))
+        kind = ("written" if name in written and n else "in" if type(a) is DTensorSpec
+                else "list" if n else "other")
+        out.append((name, kind, n))
+    return out
+
+
+def _specs_in(a) -> list:
+    found = []
+    if type(a) is tuple:
+        for x in a:
+            found.extend([x] if type(x) is DTensorSpec else _specs_in(x))
+    return found
+
+
+def _align_inputs(ins: tuple, args: list, n: int, where: str) -> tuple:
+    names = ", ".join(name for name, _, _ in args)
+    if len(ins) == len(args):  # one entry per argument: None exactly where there is no DTensor
+        picked = []
+        for (name, kind, _), p in zip(args, ins):
+            if kind == "in":
+                if p is None:
+                    raise ShardingError(f"{where}: argument {name!r} is a DTensor, but its input entry is None")
+                picked.append(p)
+            elif kind == "list":
+                raise ShardingError(f"{where}: argument {name!r} is a list of DTensors: give one input "
+                                    f"entry per DTensor input instead of one per argument")
+            elif kind == "other" and p is not None:
+                raise ShardingError(f"{where}: argument {name!r} is not a DTensor: its input entry must be "
+                                    f"None, got {p!r} (arguments: {names})")
+        return tuple(picked)
+    given = tuple(p for p in ins if p is not None)
+    if len(given) == n:
+        return given
+    written = [kind == "written" for _, kind, k in args for _ in range(k)]
+    if any(written) and len(given) == len(written):  # out= tensors counted as inputs, as torch counts them
+        return tuple(p for p, w in zip(given, written) if not w)
+    raise ShardingError(f"{where}: an option gives {len(ins)} input entries; expected {n} (one per DTensor "
+                        f"input) or {len(args)} (one per argument: {names}; None for non-tensors)")
+
+
 def _choose_per_dim(ctx: PropContext, options, self_fixed: bool) -> tuple:
     """Pick, for each mesh dim, the cheapest (first on ties) per-dim option."""
     specs = ctx.specs
@@ -305,7 +386,7 @@ def propagate_uncached(schema: OpSchema) -> OutputSharding:
     return _propagate_uncounted(schema, cached=False)
 
 
-def _propagate_uncounted(schema: OpSchema, cached: bool = True) -> OutputSharding:
+def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool = True) -> OutputSharding:
     op = schema.op
     ctx = PropContext(schema, cached)
     if not ctx.specs:
@@ -329,6 +410,8 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True) -> OutputShardin
     else:
         options = rule.fn(ctx)
         per_dim = rule.per_dim
+        if rule.user:
+            options = _user_options(ctx, options, f"{op} rule {rule.name}")
     where = f"{op} rule {rule.name if rule else 'replicate-fallback'}"
     options = [_norm_option(o, len(ctx.specs), where) for o in options]
     if not options:
@@ -348,10 +431,10 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True) -> OutputShardin
         if meta is None:
             out_specs.append(None)
             continue
-        if j >= len(out_pl) or out_pl[j] is None:
+        if j >= len(out_pl) or out_pl[j] is None or any(p is None for p in out_pl[j]):
             raise ShardingError(f"{where}: gives no placement for output {j}")
         out_specs.append(DTensorSpec(mesh, _normalize_out(out_pl[j], len(meta.shape), where), meta))
-    if returns == "out":
+    if returns == "out" and check_out:  # the rule checker asks first, then makes out= match
         out_specs = _check_out(schema, out_specs, where)
     if (self_fixed and out_specs and out_specs[0] is not None and out_specs[0].placements != ctx.specs[0].placements
             and out_specs[0].placements != in_specs[0].placements):  # equal: a Partial target reduced in place

@@ -18,6 +18,8 @@ from typing import Callable, Dict, Iterable, Optional
 
 import torch
 
+from shardprop.dispatch.op_schema import _Marker
+
 _BUILTIN: Dict[object, "Rule"] = {}
 # op -> local_call(op, output_sharding, local_args, local_kwargs): how to run the op on the
 # shards when the plain call with the global arguments is wrong (sizes given globally, a
@@ -87,40 +89,69 @@ def has_builtin(op) -> bool:
 
 
 def register_sharding(op, *, per_dim: Optional[bool] = None):
-    """Register a user sharding rule for ``op``, overriding any built-in rule.
+    """Register a user sharding rule for ``op`` (an overload, a packet, or a list of them).
 
-    The decorated function receives the op's arguments with every DTensor
-    replaced by its ``DTensorSpec`` and returns a list of acceptable options,
-    each ``(input_placements, output_placements)``: one entry per DTensor input
-    and per output. An entry is a Placement (used on every mesh dim) or a
-    tuple of Placements (one per mesh dim). shardprop picks the option that
-    needs the least communication.
+    The decorated function is called as the op is: every argument given, positional
+    and keyword (``out=`` tensors included), with each DTensor replaced by its
+    ``DTensorSpec`` and other arguments as their values (a Python float is the
+    ``<float>`` marker: floats share cache entries). It returns a list of acceptable
+    options, each ``(input_placements, output_placements)``, with one output entry
+    per output (None for a non-tensor one) and the inputs given either
+
+    * one entry per DTensor input, in argument order; or
+    * one entry per argument as given (positional, then keyword), None for each
+      non-tensor argument, as torch's ``register_sharding`` takes them (entries
+      for ``out=`` tensors may be given; the engine places those as the outputs).
+
+    An entry is a Placement (used on every mesh dim) or a tuple of Placements (one
+    per mesh dim). shardprop picks the option that needs the least communication.
+    ``shardprop.experimental.register_sharding`` takes torch's (outputs, inputs) order.
 
     Example:
         >>> @shardprop.register_sharding(torch.ops.mylib.scale.default)  # doctest: +SKIP
         ... def scale_rule(x, factor):
-        ...     return [([Shard(0)], [Shard(0)]), ([Replicate()], [Replicate()])]
+        ...     return [([Shard(0), None], [Shard(0)]), ([Replicate(), None], [Replicate()])]
     """
+    ops = op if isinstance(op, (list, tuple)) else [op]
+
     def deco(fn):
         def user_rule(ctx):
-            return fn(*ctx.args, **ctx.kwargs)
+            # The rule sees what the caller passed: out= tensors too, and bools as bools
+            # (the cache key holds markers for them, which are all truthy).
+            args = tuple(_user_value(a) for a in ctx.args)
+            kwargs = {k: _user_value(v) for k, v in ctx.schema.kwargs}
+            return fn(*args, **kwargs)
         user_rule.__qualname__ = getattr(fn, "__qualname__", "user_rule")
         user_rule.user_fn = fn
-        for o in _overloads(op):
-            _USER[o] = Rule(user_rule, per_dim if per_dim is not None else "auto", user=True)
+        for one in ops:
+            for o in _overloads(one):
+                _USER[o] = Rule(user_rule, per_dim if per_dim is not None else "auto", user=True)
         _changed()
         return fn
     return deco
 
 
+def _user_value(a):
+    """An argument in key form as a user rule sees it: bool markers become bools again."""
+    if type(a) is tuple:
+        return tuple(_user_value(x) for x in a)
+    if type(a) is _Marker and a.name in _BOOLS:
+        return _BOOLS[a.name]
+    return a
+
+
+_BOOLS = {"<True>": True, "<False>": False}
+
+
 def unregister_sharding(op) -> None:
-    """Remove a user rule; the built-in rule (if any) is used again.
+    """Remove a user rule (``op``: as for register_sharding); the built-in rule (if any) is used again.
 
     Example:
         >>> unregister_sharding(torch.ops.aten.relu.default)  # doctest: +SKIP
     """
-    for o in _overloads(op):
-        _USER.pop(o, None)
+    for one in (op if isinstance(op, (list, tuple)) else [op]):
+        for o in _overloads(one):
+            _USER.pop(o, None)
     _changed()
 
 
