@@ -144,9 +144,14 @@ def _leading_str():
         seen = []
         with api.rule(TAG, _tag_rule(api, seen)):
             for pl in ([api.R()], [api.S(0)], [api.S(1)]):
-                y = TAG("abc", api.distribute_tensor(x, mesh, pl))
+                try:
+                    y = TAG("abc", api.distribute_tensor(x, mesh, pl))
+                except (ValueError, RuntimeError) as e:  # torch 2.11's register_sharding finds no mesh past a leading str
+                    assert api.name == "ref" and "Cannot find device mesh" in str(e), e
+                    out[api.name, _pl(pl)] = None
+                    continue
                 out[api.name, _pl(pl)] = (_pl(y.placements), y.full_tensor())
-        out[api.name, "seen"] = seen[0]
+        out[api.name, "seen"] = seen[0] if seen else None
     # shardprop's own API: (inputs, outputs), inputs per argument with None for the str.
     mesh = sp.init_device_mesh("cpu", (4,))
     R, S = sp.Replicate, sp.Shard
@@ -165,15 +170,20 @@ def _leading_str():
 
 def test_leading_str_argument_as_torch():
     out = run_on_ranks(4, _leading_str)[0]
+    torch_runs_it = out["ref", ("R",)] is not None  # not on torch 2.11 (no mesh found past the str)
     for pl in (("R",), ("S(0)",), ("S(1)",)):
         ref, ours = out["ref", pl], out["ours", pl]
-        # From S(1) the rule offers R (all-gather) and S(0) (all-to-all): torch's cost model takes the
-        # all-gather, shardprop's the all-to-all (fewer bytes per rank), for every op, not only user rules.
-        assert ours[0] == ref[0] or pl == ("S(1)",), (pl, ours[0], ref[0])
-        assert torch.equal(ours[1], ref[1]) and torch.equal(ours[1], out["expected"]), pl
-    assert out["ref", ("S(1)",)][0] == ("R",) and out["ours", ("S(1)",)][0] == ("S(0)",)
+        assert torch.equal(ours[1], out["expected"]), pl
+        if torch_runs_it:
+            # From S(1) the rule offers R (all-gather) and S(0) (all-to-all): torch's cost model takes the
+            # all-gather, shardprop's the all-to-all (fewer bytes per rank), for every op, not only user rules.
+            assert ours[0] == ref[0] or pl == ("S(1)",), (pl, ours[0], ref[0])
+            assert torch.equal(ours[1], ref[1]), pl
+    if torch_runs_it:
+        assert out["ref", ("S(1)",)][0] == ("R",) and out["ref", "seen"] == ("str:'abc'", "DTensorSpec")
+    assert out["ours", ("S(1)",)][0] == ("S(0)",)
     assert out["ours", ("S(0)",)][0] == ("S(0)",)  # the sharded option is taken, not a gather
-    assert out["ours", "seen"] == out["ref", "seen"] == ("str:'abc'", "DTensorSpec"), out["ours", "seen"]
+    assert out["ours", "seen"] == ("str:'abc'", "DTensorSpec"), out["ours", "seen"]
     assert out["top level"][0] == ("S(0)",) and torch.equal(out["top level"][1], out["expected"])
     assert out["swapped"] and "ShardingError" in out["swapped"] and "(inputs, outputs)" in out["swapped"]
     assert out["misaligned"] and "'name' is not a DTensor" in out["misaligned"], out["misaligned"]
