@@ -11,9 +11,9 @@ Peak memory is measured the same way for both engines: a ``TorchDispatchMode`` t
 op, sums the bytes of every live tensor storage (weak references, so a tensor autograd keeps for
 backward counts until backward frees it; a DTensor counts its local shard; parameters, shards and
 optimizer state that exist before the step count as well). Memory outside torch's dispatcher
-(the transports' own buffers) is not counted, for either engine; nor are the buffers shardprop's
-CPU buffer pool keeps idle for reuse (``shardprop.mesh.buffer_pool``: no tensor holds them, as
-torch's ``memory_allocated`` leaves its caching allocator out): the table shows their peak.
+(the transports' own buffers) is not counted, for either engine. The buffers shardprop's CPU
+buffer pool keeps idle for reuse (``shardprop.mesh.buffer_pool``) are counted: the table also shows
+their peak.
 
     python bench/recipes.py [--dim 256] [--layers 4] [--seq 128] [--batch 8] [--json out.json]
 """
@@ -77,10 +77,10 @@ class PeakBytes(TorchDispatchMode):
                 self.live[key] = weakref.ref(st)
 
     def now(self) -> int:
-        # Buffers shardprop's pool keeps for reuse but nobody holds are not in use (torch's
-        # memory_allocated leaves its allocator's reserve out likewise); `idle` reports them.
+        # Buffers shardprop's pool keeps idle for reuse count too (they are held memory); `idle`
+        # reports their peak beside the figure.
         self.idle = max(getattr(self, "idle", 0), buffer_pool.idle_bytes())
-        total, dead = -buffer_pool.idle_bytes(), []
+        total, dead = 0, []
         for key, ref in self.live.items():
             st = ref()
             if st is None:

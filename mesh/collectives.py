@@ -208,8 +208,11 @@ def _done(out: torch.Tensor, async_op: bool, finish=None, shape=None):
 
 
 def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False, finish=None,
-               finish_shape=None) -> torch.Tensor:
+               finish_shape=None, pooled: bool = True) -> torch.Tensor:
     """Gather equal-sized pieces along dim 0 into one new contiguous tensor.
+
+    ``pooled=False``: a fresh output, never one the buffer pool keeps for reuse (for an output
+    copied out and dropped at once, whose memory would otherwise stay with the pool).
 
     Example:
         >>> all_gather(torch.ones(2, 3), mesh, 0).shape  # 4 ranks  # doctest: +SKIP
@@ -226,7 +229,8 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     if type(t) is not torch.Tensor and is_traced(t):
         out = _functional("all_gather", t, group, n)
         return finish(out) if finish is not None else out
-    out = buffer_pool.empty((n * t.shape[0],) + tuple(t.shape[1:]), t)
+    shape = (n * t.shape[0],) + tuple(t.shape[1:])
+    out = buffer_pool.empty(shape, t) if pooled else t.new_empty(shape)
     if direct.usable(t, n):
         work = direct.all_gather(out, t, group, ranks)
         if not async_op:

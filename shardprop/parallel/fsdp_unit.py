@@ -147,7 +147,9 @@ class FSDPUnit:
         self._gather_input = shard if self._async_gather else None
         with torch.no_grad():
             if not self._into_views:  # the shard buffer is already flat: gather it as it is
-                self._gather = C.all_gather(shard, self.dp_mesh, 0, async_op=self._async_gather)
+                # Not from the buffer pool: copied out and dropped at once, a pooled output would keep
+                # a unit-sized buffer with the pool between steps (memory torch's fully_shard gives back).
+                self._gather = C.all_gather(shard, self.dp_mesh, 0, async_op=self._async_gather, pooled=False)
                 return  # the full buffer is allocated when the data arrives: one less buffer in flight
             b.alloc_full()
             n = b.staging_numel()
