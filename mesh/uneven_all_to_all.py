@@ -39,6 +39,7 @@ _PROBLEMS = {
     3: "a negative split size",
     4: "a 0-d tensor (rows are dim 0)",
 }
+_CALLER = 100  # codes from here on: reasons the caller gives (``exchange_splits(reasons=...)``)
 
 
 def _own_problem(t: torch.Tensor, splits: Sequence[int], n: int) -> Tuple[int, str]:
@@ -61,20 +62,26 @@ def _as_ints(splits) -> List[int]:
 
 
 def exchange_splits(t: torch.Tensor, mesh, dims: MeshDims, input_splits, *, what: str = "all_to_all_uneven",
-                    extra: Optional[torch.Tensor] = None) -> Tuple[List[int], Optional[torch.Tensor]]:
+                    extra: Optional[torch.Tensor] = None, reasons: Sequence[str] = (),
+                    problem: Optional[Tuple[int, str]] = None) -> Tuple[List[int], Optional[torch.Tensor]]:
     """The rows each peer will send this rank (its output splits), from every rank's ``input_splits``.
 
     One small even all-to-all of int64 records. Raises the same ``ValueError`` on every rank of
     the group when any rank's splits do not fit its tensor, or ranks disagree on the row size.
     ``extra`` (int64, ``[n, k]``: row ``j`` for peer ``j``) rides along in the same message; the
     rows received from each peer come back as the second result (``[n, k]``), else None.
+    A caller that checked its own arguments passes ``problem=(i, detail)`` (``reasons[i]`` is the
+    short reason every rank prints; ``reasons`` is the same list on every rank): every rank raises.
 
     Example:
         >>> out_splits, _ = exchange_splits(x, mesh, "ep", [3, 0, 1, 2])  # doctest: +SKIP
     """
     group, ranks, n = collectives.resolve(mesh, dims)
     splits = _as_ints(input_splits)
-    code, message = _own_problem(t, splits, n)
+    if problem is not None:
+        code, message = _CALLER + problem[0], problem[1]
+    else:
+        code, message = _own_problem(t, splits, n)
     row = math.prod(t.shape[1:]) if t.ndim else -1
     rec = torch.zeros(n, _RECORD, dtype=torch.int64)
     if code == _OK:
@@ -89,18 +96,24 @@ def exchange_splits(t: torch.Tensor, mesh, dims: MeshDims, input_splits, *, what
     width = rec.shape[1]
     # On t's device: a backend for that device may carry nothing else (NCCL, for one).
     got = collectives.all_to_all(rec.to(t.device).reshape(-1), mesh, dims).reshape(n, width).cpu()
-    _raise_on_any_problem(got, ranks, code, message, (row, t.element_size()), what)
+    _raise_on_any_problem(got, ranks, code, message, (row, t.element_size()), what, reasons)
     return [int(x) for x in got[:, 0].tolist()], (got[:, _RECORD:] if extra is not None else None)
 
 
+def _reason(code: int, reasons: Sequence[str]) -> str:
+    if code >= _CALLER and code - _CALLER < len(reasons):
+        return reasons[code - _CALLER]
+    return _PROBLEMS.get(code, f"status {code}")
+
+
 def _raise_on_any_problem(got: torch.Tensor, ranks, code: int, message: str, mine: Tuple[int, int],
-                          what: str) -> None:
+                          what: str, reasons: Sequence[str] = ()) -> None:
     """Raise on every rank if any rank reported a problem or peers disagree on the row size."""
     bad = [(ranks[i], int(c)) for i, c in enumerate(got[:, 1].tolist()) if c != _OK]
     if bad:
-        who = ", ".join(f"rank {r} ({_PROBLEMS.get(c, f'status {c}')})" for r, c in bad)
+        who = ", ".join(f"rank {r} ({_reason(c, reasons)})" for r, c in bad)
         local = f"; this rank {message}" if code != _OK else ""
-        raise ValueError(f"shardprop {what}: bad split sizes on {who}{local}. Every rank of the group "
+        raise ValueError(f"shardprop {what}: bad arguments on {who}{local}. Every rank of the group "
                          "raises this error; no rows were sent")
     rows = {(ranks[i], int(e), int(b)) for i, (e, b) in enumerate(got[:, 2:4].tolist())}
     if any((e, b) != mine for _, e, b in rows):

@@ -1,0 +1,14 @@
+"""Expert parallelism for mixtures of experts: expert weights sharded over an "ep" mesh dim, tokens routed to them.
+
+``routing`` holds token dispatch and combine (a redistribution of tokens from "this rank's
+batch" to "grouped by the experts this rank holds" and back, by uneven all-to-alls whose
+split sizes are exchanged at run time); ``style`` the ``ExpertParallel`` style that
+``parallelize_module`` applies to a module with torchtitan's ``GroupedExperts`` contract.
+
+Example:
+    >>> parallelize_module(moe.experts, mesh["ep"], ExpertParallel())  # doctest: +SKIP
+"""
+from shardprop.parallel.ep.routing import Route, combine, dispatch
+from shardprop.parallel.ep.style import ExpertParallel
+
+__all__ = ["ExpertParallel", "Route", "combine", "dispatch"]

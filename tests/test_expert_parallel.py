@@ -1,0 +1,184 @@
+"""ExpertParallel (``shardprop.parallel.ep``) on 4 gloo ranks against one process.
+
+Each rank builds the same DeepSeek-style MoE layer (``tests/moe_model.py``: 8 experts, top-2,
+a shared expert) from one seed; the copy on one process runs the full batch as the reference.
+The parallel copy has its experts sharded over ep=4 and each rank runs its quarter of the
+batch. Losses, the experts' gradients (each rank's Shard(0) piece), the other parameters'
+gradients (summed over the ranks, as data parallelism would) and the parameters after 3 AdamW
+steps must agree. Routing alone is checked against every rank's tokens, with random counts
+(zeros included); bad counts on one rank raise the same error on every rank within seconds.
+"""
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.rankpool import run_on_ranks
+
+pytestmark = pytest.mark.timeout(240)
+ATOL, RTOL = 1e-4, 1e-4
+
+
+def _batch(seed=0, b=8, s=6, dim=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, s, dim, generator=g), torch.randn(b, s, dim, generator=g)
+
+
+def _loss(out, tgt, total):
+    # Normalised by the global element count: the ranks' losses sum to the one-process loss.
+    return ((out - tgt) ** 2).sum() / total
+
+
+def _train(steps=3):
+    from shardprop import ExpertParallel, comm_counter, init_device_mesh, parallelize_module
+    from tests.moe_model import MoE
+    torch.manual_seed(0)
+    ref = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    parallelize_module(model.experts, mesh["ep"], ExpertParallel())
+    me, n = dist.get_rank(), 4
+    errors, checked = [], 0
+
+    def close(name, got, want):
+        nonlocal checked
+        checked += 1
+        try:
+            torch.testing.assert_close(got.detach(), want.detach(), atol=ATOL, rtol=RTOL)
+        except AssertionError as e:
+            errors.append(f"{name}: {str(e).splitlines()[0]}")
+
+    assert model.experts.w1.placements[0].is_shard(0) and model.experts.w1.to_local().shape == (2, 16, 24)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_params = dict(ref.named_parameters())
+    counts = []
+    for step in range(steps):
+        x, tgt = _batch(step)
+        total = tgt.numel()
+        # Inputs with gradients (as from a layer below): the dispatch is differentiated too.
+        x_ref = x.clone().requires_grad_()
+        ref_loss = _loss(ref(x_ref), tgt, total)
+        ref_loss.backward()
+        mine = x.chunk(n)[me].clone().requires_grad_()
+        with comm_counter() as c:
+            out = model(mine)
+            loss = _loss(out, tgt.chunk(n)[me], total)
+            fwd = dict(c.counts)
+            loss.backward()
+        counts.append((fwd.get("all_to_all", (0, 0))[0], c.counts.get("all_to_all", (0, 0))[0]))
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)
+        close(f"step {step} loss", whole, ref_loss)
+        close(f"step {step} input grad", mine.grad, x_ref.grad.chunk(n)[me])
+        for name, p in model.named_parameters():
+            if name.startswith("experts."):
+                # The experts' gradient: this rank's experts, laid out like the weight.
+                assert p.grad.placements == p.placements, (name, p.grad.placements)
+                close(f"step {step} grad {name}", p.grad.to_local(), ref_params[name].grad.chunk(n)[me])
+            else:
+                dist.all_reduce(p.grad)  # replicated parameters: data parallel over the ep ranks
+                close(f"step {step} grad {name}", p.grad, ref_params[name].grad)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        for name, p in model.named_parameters():
+            got = p.full_tensor() if name.startswith("experts.") else p
+            close(f"step {step} param {name}", got, ref_params[name])
+    return errors, checked, counts
+
+
+def test_expert_parallel_trains_like_one_process():
+    out = run_on_ranks(4, _train)
+    for errors, checked, counts in out:
+        assert not errors, "\n".join(errors)
+        assert checked == 3 * (2 + 2 * 7)  # loss, input grad, then 7 parameters' gradients and values per step
+        # Forward: counts, tokens there, tokens back; backward: the two token moves inverted.
+        assert counts == [(3, 5)] * 3, counts
+
+
+def _routing():
+    """dispatch/combine alone: every rank's tokens land on the rank of their expert, in expert order."""
+    from shardprop import init_device_mesh
+    from shardprop.parallel.ep import combine, dispatch
+    mesh = init_device_mesh("cpu", (4,))
+    me, n, E = dist.get_rank(), 4, 8
+    L = E // n
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        cnt = torch.randint(0, 4, (n, E), generator=g)
+        cnt[torch.rand(n, E, generator=g) < 0.4] = 0
+        # Row value = (source rank, expert, index) so the placement of every row is checkable.
+        xs = [torch.cat([torch.tensor([[r, e, i]] * 1, dtype=torch.float32).repeat(1, 2)
+                         for e in range(E) for i in range(int(cnt[r, e]))] or [torch.zeros(0, 6)])
+              for r in range(n)]
+        x = xs[me].clone().requires_grad_()
+        routed, local_counts, route = dispatch(x, cnt[me], mesh, 0, E, width=6)
+        want = torch.cat([xs[r][int(cnt[r, :e].sum()):int(cnt[r, :e + 1].sum())]
+                          for e in range(me * L, (me + 1) * L) for r in range(n)])
+        assert torch.equal(routed, want), (seed, routed, want)
+        assert local_counts.tolist() == cnt[:, me * L:(me + 1) * L].sum(0).tolist()
+        assert route.tokens_per_local_expert == local_counts.tolist()
+        back = combine(routed * 3, route)
+        assert torch.equal(back, xs[me] * 3)
+        back.sum().backward()
+        assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    return True
+
+
+def test_routing_sends_tokens_to_their_experts_and_back():
+    assert run_on_ranks(4, _routing) == [True] * 4
+
+
+def _bad_counts(kind):
+    from shardprop import ExpertParallel, init_device_mesh, parallelize_module
+    from tests.moe_model import GroupedExperts
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 24, 8)
+    parallelize_module(experts, init_device_mesh("cpu", (4,)), ExpertParallel())
+    me = dist.get_rank()
+    counts = torch.tensor([1, 0, 2, 1, 0, 3, 1, 0])
+    x = torch.randn(8, 16)
+    if me == 2 and kind == "sum":
+        counts = torch.tensor([1, 0, 2, 1, 0, 3, 1, 1])
+    if me == 1 and kind == "experts":
+        counts = torch.tensor([1, 0, 2, 1, 0, 3, 1, 0, 0, 0])
+    if me == 3 and kind == "width":
+        x = torch.randn(8, 12)
+    t0 = time.monotonic()
+    try:
+        experts(x, counts)
+    except ValueError as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("kind,says", [
+    ("sum", "rank 2 (the token count differs from the sum of num_tokens_per_expert)"),
+    ("experts", "rank 1 (num_tokens_per_expert has the wrong number of experts)"),
+    ("width", "rank 3 (tokens of the wrong width)")])
+def test_mismatched_counts_raise_on_every_rank(kind, says):
+    out = run_on_ranks(4, _bad_counts, kind, timeout=30)
+    for msg, took in out:
+        assert msg is not None and says in msg and "Every rank" in msg, out
+        assert took < 5, out
+    # No rank was left inside a collective: the same pool runs the routing check next.
+    assert run_on_ranks(4, _routing) == [True] * 4
+
+
+def _uneven_experts():
+    from shardprop import ExpertParallel, init_device_mesh, parallelize_module
+    from tests.moe_model import GroupedExperts
+    try:
+        parallelize_module(GroupedExperts(16, 24, 6), init_device_mesh("cpu", (4,)), ExpertParallel())
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_experts_that_do_not_split_over_ep_are_refused():
+    for msg in run_on_ranks(4, _uneven_experts):
+        assert msg is not None and "ExpertParallel" in msg and "w1" in msg, msg
