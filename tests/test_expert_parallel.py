@@ -182,3 +182,37 @@ def _uneven_experts():
 def test_experts_that_do_not_split_over_ep_are_refused():
     for msg in run_on_ranks(4, _uneven_experts):
         assert msg is not None and "ExpertParallel" in msg and "w1" in msg, msg
+
+
+def _load_and_explain():
+    from shardprop import ExpertParallel, comm_counter, expert_load, explain, init_device_mesh, parallelize_module
+    from shardprop.parallel.ep import local_load
+    from tests.moe_model import GroupedExperts
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 24, 8)
+    parallelize_module(experts, init_device_mesh("cpu", (4,)), ExpertParallel(), strict=True)
+    me = dist.get_rank()
+    table = torch.randint(0, 5, (4, 8), generator=torch.Generator().manual_seed(3))
+    with explain() as ex:
+        experts(torch.randn(int(table[me].sum()), 16), table[me])
+    ops = [r.op for r in ex.records if r.is_fast_path]
+    assert ops == ["moe_dispatch", "moe_combine"], ops
+    kinds = [[k for _, k, _, _ in r.collectives] for r in ex.records if r.is_fast_path]
+    assert kinds == [["all_to_all", "all_to_all"], ["all_to_all"]], kinds
+    mine = table[:, 2 * me:2 * me + 2].sum(0).tolist()
+    assert any(f"local experts got tokens {mine}" in n for n in ex.notes), ex.notes
+    assert "moe_dispatch" in str(ex)
+    assert local_load(experts) == mine
+    with comm_counter() as c:
+        load = expert_load(experts)
+    assert c.counts["all_gather"][0] == 1
+    per_expert = table.sum(0)
+    assert load.tokens_per_expert == per_expert.tolist()
+    assert load.tokens_per_rank == per_expert.view(4, 2).sum(1).tolist()
+    assert abs(load.imbalance - per_expert.max().item() / per_expert.float().mean().item()) < 1e-9
+    return str(load)
+
+
+def test_expert_load_and_explain_show_tokens_per_expert():
+    out = run_on_ranks(4, _load_and_explain)
+    assert len(set(out)) == 1 and "tokens per expert" in out[0], out

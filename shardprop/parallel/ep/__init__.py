@@ -3,12 +3,14 @@
 ``routing`` holds token dispatch and combine (a redistribution of tokens from "this rank's
 batch" to "grouped by the experts this rank holds" and back, by uneven all-to-alls whose
 split sizes are exchanged at run time); ``style`` the ``ExpertParallel`` style that
-``parallelize_module`` applies to a module with torchtitan's ``GroupedExperts`` contract.
+``parallelize_module`` applies to a module with torchtitan's ``GroupedExperts`` contract;
+``stats`` the tokens per expert and the load imbalance of the last forward.
 
 Example:
     >>> parallelize_module(moe.experts, mesh["ep"], ExpertParallel())  # doctest: +SKIP
 """
 from shardprop.parallel.ep.routing import Route, combine, dispatch
+from shardprop.parallel.ep.stats import ExpertLoad, expert_load, local_load
 from shardprop.parallel.ep.style import ExpertParallel
 
-__all__ = ["ExpertParallel", "Route", "combine", "dispatch"]
+__all__ = ["ExpertLoad", "ExpertParallel", "Route", "combine", "dispatch", "expert_load", "local_load"]

@@ -52,6 +52,7 @@ class Route:
     output_splits: List[int]
     received: torch.Tensor
     order: Optional[torch.Tensor]
+    device: torch.device
 
     @property
     def tokens_per_local_expert(self) -> List[int]:
@@ -122,7 +123,7 @@ def dispatch(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, mesh, dim, nu
     if order is not None:
         routed = routed.index_select(0, order)
     local_counts = received.sum(0).to(device=num_tokens_per_expert.device, dtype=num_tokens_per_expert.dtype)
-    return routed, local_counts, Route(mesh, dim, input_splits, output_splits, received, order)
+    return routed, local_counts, Route(mesh, dim, input_splits, output_splits, received, order, x.device)
 
 
 def combine(y: torch.Tensor, route: Route) -> torch.Tensor:

@@ -16,6 +16,8 @@ from typing import List
 
 from torch import nn
 
+from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch import fast_paths
 from shardprop.parallel.ep import routing
 from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params
 from shardprop.tensor.placement import Shard
@@ -51,9 +53,15 @@ def _width(module: nn.Module):
     return w1.shape[1] if w1 is not None and w1.ndim == 3 else None
 
 
-def _dispatch_hook(mesh, num_experts, routes, module, args, kwargs):
+def _dispatch_hook(mesh, num_experts, routes, name, module, args, kwargs):
     x, counts = _inputs(args, kwargs)
-    routed, local_counts, route = routing.dispatch(x, counts, mesh, 0, num_experts, width=_width(module))
+    if fast_paths.recording():  # inside explain(): the moves and the load this rank's experts got
+        routed, local_counts, route = fast_paths.run_recorded(
+            "moe_dispatch", f"ExpertParallel dispatch on {name!r}", ((Shard(0),),), (0,),
+            functools.partial(routing.dispatch, width=_width(module)), x, counts, mesh, 0, num_experts)
+        _note_load(name, route)
+    else:
+        routed, local_counts, route = routing.dispatch(x, counts, mesh, 0, num_experts, width=_width(module))
     routes.stack.append(route)
     routes.last = route
     return (routed, local_counts) + tuple(args[2:]), {k: v for k, v in kwargs.items()
@@ -68,8 +76,22 @@ def _inputs(args, kwargs):
     return x, counts
 
 
-def _combine_hook(routes, module, args, kwargs, output):
+def _combine_hook(routes, name, module, args, kwargs, output):
+    if fast_paths.recording():
+        return fast_paths.run_recorded("moe_combine", f"ExpertParallel combine on {name!r}", (), (0,),
+                                       routing.combine, output, routes.stack.pop())
     return routing.combine(output, routes.stack.pop())
+
+
+def _note_load(name: str, route: routing.Route) -> None:
+    """A line for explain(): tokens per local expert, from each ep rank, and this rank's share of the load."""
+    rec = _dispatch.recorder
+    if rec is None or not hasattr(rec, "note"):
+        return
+    mine = sum(route.output_splits)
+    rec.note(f"ExpertParallel on {name!r}: local experts got tokens {route.tokens_per_local_expert} "
+             f"(from ep ranks: {route.received.tolist()}); this rank computes {mine} token copies, "
+             f"sends {sum(route.input_splits)}")
 
 
 class ExpertParallel(ParallelStyle):
@@ -96,9 +118,9 @@ class ExpertParallel(ParallelStyle):
         routes = _Routes()
         module._shardprop_expert_routes = routes  # read by stats (expert_load)
         # Partials of module-level functions: torch.save(model) pickles the hooks.
-        module.register_forward_pre_hook(functools.partial(_dispatch_hook, mesh, num_experts, routes),
+        module.register_forward_pre_hook(functools.partial(_dispatch_hook, mesh, num_experts, routes, name),
                                          with_kwargs=True)
-        module.register_forward_hook(functools.partial(_combine_hook, routes), with_kwargs=True)
+        module.register_forward_hook(functools.partial(_combine_hook, routes, name), with_kwargs=True)
         return module
 
 
