@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from tests.rankpool import run_on_ranks
 
@@ -31,7 +32,7 @@ def _loss(out, tgt, total):
     return ((out - tgt) ** 2).sum() / total
 
 
-def _train(steps=3):
+def _train(steps=3, ac=False):
     from shardprop import ExpertParallel, comm_counter, init_device_mesh, parallelize_module
     from tests.moe_model import MoE
     torch.manual_seed(0)
@@ -64,7 +65,10 @@ def _train(steps=3):
         ref_loss.backward()
         mine = x.chunk(n)[me].clone().requires_grad_()
         with comm_counter() as c:
-            out = model(mine)
+            if ac:  # the recomputation in backward dispatches again (same counts, same route)
+                out = torch.utils.checkpoint.checkpoint(model, mine, use_reentrant=False)
+            else:
+                out = model(mine)
             loss = _loss(out, tgt.chunk(n)[me], total)
             fwd = dict(c.counts)
             loss.backward()
@@ -91,13 +95,15 @@ def _train(steps=3):
     return errors, checked, counts
 
 
-def test_expert_parallel_trains_like_one_process():
-    out = run_on_ranks(4, _train)
+@pytest.mark.parametrize("ac", [False, True], ids=["plain", "checkpointed"])
+def test_expert_parallel_trains_like_one_process(ac):
+    out = run_on_ranks(4, _train, ac=ac)
     for errors, checked, counts in out:
         assert not errors, "\n".join(errors)
         assert checked == 3 * (2 + 2 * 7)  # loss, input grad, then 7 parameters' gradients and values per step
-        # Forward: counts, tokens there, tokens back; backward: the two token moves inverted.
-        assert counts == [(3, 5)] * 3, counts
+        # Forward: counts, tokens there, tokens back; backward: the two token moves inverted
+        # (with activation checkpointing, after the forward's three again in the recomputation).
+        assert counts == [(3, 8 if ac else 5)] * 3, counts
 
 
 def _routing():
