@@ -3,7 +3,7 @@
 Each rank builds the same DeepSeek-style MoE layer (``tests/moe_model.py``: 8 experts, top-2,
 a shared expert) from one seed; the copy on one process runs the full batch as the reference.
 The parallel copy has its experts sharded over ep=4 and each rank runs its quarter of the
-batch. Losses, the experts' gradients (each rank's Shard(0) piece), the other parameters'
+batch (ExpertTensorParallel: ep=2 x tp=2, each expert's hidden dim split over tp). Losses, the experts' gradients (each rank's Shard(0) piece), the other parameters'
 gradients (summed over the ranks, as data parallelism would) and the parameters after 3 AdamW
 steps must agree. Routing alone is checked against every rank's tokens, with random counts
 (zeros included); bad counts on one rank raise the same error on every rank within seconds.
@@ -32,15 +32,22 @@ def _loss(out, tgt, total):
     return ((out - tgt) ** 2).sum() / total
 
 
-def _train(steps=3, ac=False):
-    from shardprop import ExpertParallel, comm_counter, init_device_mesh, parallelize_module
+def _train(steps=3, ac=False, etp=False):
+    from shardprop import ExpertParallel, ExpertTensorParallel, Shard, comm_counter, init_device_mesh, parallelize_module
     from tests.moe_model import MoE
     torch.manual_seed(0)
     ref = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
     model = copy.deepcopy(ref)
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
-    parallelize_module(model.experts, mesh["ep"], ExpertParallel())
-    me, n = dist.get_rank(), 4
+    if etp:  # ep=2 x tp=2: rank 2 * i + j is ep index i, tp index j; the tp pair holds the same tokens
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        parallelize_module(model.experts, mesh, ExpertTensorParallel())
+        me, n = dist.get_rank() // 2, 2
+        ep_group = mesh.get_group("ep")
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        parallelize_module(model.experts, mesh["ep"], ExpertParallel())
+        me, n = dist.get_rank(), 4
+        ep_group = None
     errors, checked = [], 0
 
     def close(name, got, want):
@@ -51,7 +58,12 @@ def _train(steps=3, ac=False):
         except AssertionError as e:
             errors.append(f"{name}: {str(e).splitlines()[0]}")
 
-    assert model.experts.w1.placements[0].is_shard(0) and model.experts.w1.to_local().shape == (2, 16, 24)
+    w1 = model.experts.w1
+    if etp:
+        assert w1.placements == (Shard(0), Shard(2)) and w1.to_local().shape == (4, 16, 12), w1.placements
+        assert model.experts.w2.placements == (Shard(0), Shard(1))
+    else:
+        assert w1.placements == (Shard(0),) and w1.to_local().shape == (2, 16, 24)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_params = dict(ref.named_parameters())
@@ -72,18 +84,22 @@ def _train(steps=3, ac=False):
             loss = _loss(out, tgt.chunk(n)[me], total)
             fwd = dict(c.counts)
             loss.backward()
-        counts.append((fwd.get("all_to_all", (0, 0))[0], c.counts.get("all_to_all", (0, 0))[0]))
+        counts.append((fwd.get("all_to_all", (0, 0))[0], c.counts.get("all_to_all", (0, 0))[0],
+                       fwd.get("all_reduce", (0, 0))[0], c.counts.get("all_reduce", (0, 0))[0]))
         whole = loss.detach().clone()
-        dist.all_reduce(whole)
+        dist.all_reduce(whole, group=ep_group)
         close(f"step {step} loss", whole, ref_loss)
         close(f"step {step} input grad", mine.grad, x_ref.grad.chunk(n)[me])
         for name, p in model.named_parameters():
             if name.startswith("experts."):
                 # The experts' gradient: this rank's experts, laid out like the weight.
                 assert p.grad.placements == p.placements, (name, p.grad.placements)
-                close(f"step {step} grad {name}", p.grad.to_local(), ref_params[name].grad.chunk(n)[me])
+                if not etp:  # this rank's experts' piece, without any communication
+                    close(f"step {step} grad {name}", p.grad.to_local(), ref_params[name].grad.chunk(n)[me])
+                else:
+                    close(f"step {step} grad {name}", p.grad.full_tensor(), ref_params[name].grad)
             else:
-                dist.all_reduce(p.grad)  # replicated parameters: data parallel over the ep ranks
+                dist.all_reduce(p.grad, group=ep_group)  # replicated parameters: data parallel over ep
                 close(f"step {step} grad {name}", p.grad, ref_params[name].grad)
         opt_ref.step()
         opt.step()
@@ -95,15 +111,17 @@ def _train(steps=3, ac=False):
     return errors, checked, counts
 
 
-@pytest.mark.parametrize("ac", [False, True], ids=["plain", "checkpointed"])
-def test_expert_parallel_trains_like_one_process(ac):
-    out = run_on_ranks(4, _train, ac=ac)
+@pytest.mark.parametrize("ac,etp", [(False, False), (True, False), (False, True)],
+                         ids=["ep4", "ep4-checkpointed", "ep2xtp2"])
+def test_expert_parallel_trains_like_one_process(ac, etp):
+    out = run_on_ranks(4, _train, ac=ac, etp=etp)
     for errors, checked, counts in out:
         assert not errors, "\n".join(errors)
         assert checked == 3 * (2 + 2 * 7)  # loss, input grad, then 7 parameters' gradients and values per step
-        # Forward: counts, tokens there, tokens back; backward: the two token moves inverted
-        # (with activation checkpointing, after the forward's three again in the recomputation).
-        assert counts == [(3, 8 if ac else 5)] * 3, counts
+        # all-to-alls (forward, forward + backward): counts, tokens there, tokens back; backward: the two
+        # token moves inverted (with activation checkpointing, after the forward's three again).
+        # all-reduces over tp (ep x tp only): the partial outputs forward, the tokens' gradient backward.
+        assert counts == [(3, 8 if ac else 5, 1 if etp else 0, 2 if etp else 0)] * 3, counts
 
 
 def _routing():
@@ -175,19 +193,29 @@ def test_mismatched_counts_raise_on_every_rank(kind, says):
     assert run_on_ranks(4, _routing) == [True] * 4
 
 
-def _uneven_experts():
-    from shardprop import ExpertParallel, init_device_mesh, parallelize_module
+def _refusals():
+    from shardprop import ExpertParallel, ExpertTensorParallel, init_device_mesh, parallelize_module
     from tests.moe_model import GroupedExperts
-    try:
-        parallelize_module(GroupedExperts(16, 24, 6), init_device_mesh("cpu", (4,)), ExpertParallel())
-    except ValueError as e:
-        return str(e)
-    return None
+    m2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    cases = [(GroupedExperts(16, 24, 6), init_device_mesh("cpu", (4,)), ExpertParallel()),  # 6 experts over 4
+             (GroupedExperts(16, 24, 8), m2, ExpertParallel()),                          # a 2-d mesh
+             (GroupedExperts(16, 25, 8), m2, ExpertTensorParallel())]                    # hidden 25 over tp=2
+    out = []
+    for experts, mesh, style in cases:
+        try:
+            parallelize_module(experts, mesh, style)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
-def test_experts_that_do_not_split_over_ep_are_refused():
-    for msg in run_on_ranks(4, _uneven_experts):
-        assert msg is not None and "ExpertParallel" in msg and "w1" in msg, msg
+def test_layouts_that_do_not_fit_are_refused():
+    for msgs in run_on_ranks(4, _refusals):
+        assert all(m is not None for m in msgs), msgs
+        assert "ExpertParallel" in msgs[0] and "w1" in msgs[0], msgs[0]
+        assert "1-d mesh" in msgs[1], msgs[1]
+        assert "ExpertTensorParallel" in msgs[2] and "hidden" in msgs[2] and "tp=2" in msgs[2], msgs[2]
 
 
 def _load_and_explain():

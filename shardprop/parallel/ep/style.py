@@ -18,9 +18,9 @@ from torch import nn
 
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.dispatch import fast_paths
-from shardprop.parallel.ep import routing
+from shardprop.parallel.ep import routing, tensor_parallel
 from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params
-from shardprop.tensor.placement import Shard
+from shardprop.tensor.placement import Replicate, Shard
 
 
 class _Routes:
@@ -53,19 +53,34 @@ def _width(module: nn.Module):
     return w1.shape[1] if w1 is not None and w1.ndim == 3 else None
 
 
-def _dispatch_hook(mesh, num_experts, routes, name, module, args, kwargs):
+class _Layout:
+    """What the hooks of one styled module need: its mesh, the ep (and tp) mesh dim, experts, name, routes."""
+
+    def __init__(self, mesh, ep: int, tp, num_experts: int, name: str) -> None:
+        self.mesh, self.ep, self.tp, self.num_experts, self.name = mesh, ep, tp, num_experts, name
+        self.routes = _Routes()
+
+
+def _dispatch_hook(lay, module, args, kwargs):
     x, counts = _inputs(args, kwargs)
+    dispatch = functools.partial(routing.dispatch, width=_width(module))
     if fast_paths.recording():  # inside explain(): the moves and the load this rank's experts got
         routed, local_counts, route = fast_paths.run_recorded(
-            "moe_dispatch", f"ExpertParallel dispatch on {name!r}", ((Shard(0),),), (0,),
-            functools.partial(routing.dispatch, width=_width(module)), x, counts, mesh, 0, num_experts)
-        _note_load(name, route)
+            "moe_dispatch", f"{_style(lay)} dispatch on {lay.name!r}", ((Shard(0),),), (lay.ep,),
+            dispatch, x, counts, lay.mesh, lay.ep, lay.num_experts)
+        _note_load(lay, route)
     else:
-        routed, local_counts, route = routing.dispatch(x, counts, mesh, 0, num_experts, width=_width(module))
-    routes.stack.append(route)
-    routes.last = route
+        routed, local_counts, route = dispatch(x, counts, lay.mesh, lay.ep, lay.num_experts)
+    if lay.tp is not None:  # the tokens are replicated over tp: their gradient is summed there
+        routed = tensor_parallel.copy_in(routed, lay.mesh, lay.tp)
+    lay.routes.stack.append(route)
+    lay.routes.last = route
     return (routed, local_counts) + tuple(args[2:]), {k: v for k, v in kwargs.items()
                                                       if k not in ("x", "num_tokens_per_expert")}
+
+
+def _style(lay) -> str:
+    return "ExpertParallel" if lay.tp is None else "ExpertTensorParallel"
 
 
 def _inputs(args, kwargs):
@@ -76,22 +91,32 @@ def _inputs(args, kwargs):
     return x, counts
 
 
-def _combine_hook(routes, name, module, args, kwargs, output):
+def _combine_hook(lay, module, args, kwargs, output):
+    route = lay.routes.stack.pop()
+    if lay.tp is not None:  # each tp rank computed its slice of the hidden dim: partial sums
+        output = tensor_parallel.reduce_out(output, lay.mesh, lay.tp)
     if fast_paths.recording():
-        return fast_paths.run_recorded("moe_combine", f"ExpertParallel combine on {name!r}", (), (0,),
-                                       routing.combine, output, routes.stack.pop())
-    return routing.combine(output, routes.stack.pop())
+        return fast_paths.run_recorded("moe_combine", f"{_style(lay)} combine on {lay.name!r}", (), (lay.ep,),
+                                       routing.combine, output, route)
+    return routing.combine(output, route)
 
 
-def _note_load(name: str, route: routing.Route) -> None:
-    """A line for explain(): tokens per local expert, from each ep rank, and this rank's share of the load."""
+def _note_load(lay, route: routing.Route) -> None:
+    """A line for explain(): tokens per local expert, from each ep rank, and what this rank computes and sends."""
     rec = _dispatch.recorder
     if rec is None or not hasattr(rec, "note"):
         return
-    mine = sum(route.output_splits)
-    rec.note(f"ExpertParallel on {name!r}: local experts got tokens {route.tokens_per_local_expert} "
-             f"(from ep ranks: {route.received.tolist()}); this rank computes {mine} token copies, "
-             f"sends {sum(route.input_splits)}")
+    rec.note(f"{_style(lay)} on {lay.name!r}: local experts got tokens {route.tokens_per_local_expert} "
+             f"(from ep ranks: {route.received.tolist()}); this rank computes {sum(route.output_splits)} "
+             f"token copies, sends {sum(route.input_splits)}")
+
+
+def _install(module: nn.Module, lay: _Layout) -> nn.Module:
+    module._shardprop_expert_routes = lay.routes  # read by stats (expert_load)
+    # Partials of module-level functions: torch.save(model) pickles the hooks.
+    module.register_forward_pre_hook(functools.partial(_dispatch_hook, lay), with_kwargs=True)
+    module.register_forward_hook(functools.partial(_combine_hook, lay), with_kwargs=True)
+    return module
 
 
 class ExpertParallel(ParallelStyle):
@@ -115,13 +140,59 @@ class ExpertParallel(ParallelStyle):
         for pname, _ in module.named_parameters(recurse=False):
             check_divisible(name, module, "ExpertParallel", pname, 0, mesh)
         distribute_params(module, mesh, lambda _: Shard(0), self.src_data_rank)
-        routes = _Routes()
-        module._shardprop_expert_routes = routes  # read by stats (expert_load)
-        # Partials of module-level functions: torch.save(model) pickles the hooks.
-        module.register_forward_pre_hook(functools.partial(_dispatch_hook, mesh, num_experts, routes, name),
-                                         with_kwargs=True)
-        module.register_forward_hook(functools.partial(_combine_hook, routes, name), with_kwargs=True)
-        return module
+        return _install(module, _Layout(mesh, 0, None, num_experts, name))
 
 
-__all__ = ["ExpertParallel"]
+class ExpertTensorParallel(ExpertParallel):
+    """Experts over ep and each expert's hidden dim over tp, on a 2-d mesh (ep x tp).
+
+    ``w1``, ``w3`` ``[experts, dim, hidden]`` become ``Shard(0)`` on ep and ``Shard(2)`` on tp,
+    ``w2`` ``[experts, hidden, dim]`` ``Shard(0)`` on ep and ``Shard(1)`` on tp (other parameters:
+    ``Shard(0)`` on ep, replicated on tp). Each ep rank brings its own tokens, the same on every tp
+    rank of its ep group (replicated over tp, e.g. after a tensor-parallel attention). Tokens are
+    dispatched over ep as in :class:`ExpertParallel`; each tp rank computes its hidden slice, the
+    partial outputs are all-reduced over tp, then combined over ep. Backward: the inverse token
+    moves, and one all-reduce over tp of the tokens' gradient.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))  # doctest: +SKIP
+        >>> parallelize_module(moe.experts, mesh, ExpertTensorParallel())  # doctest: +SKIP
+    """
+
+    takes_nd_mesh = True
+
+    def __init__(self, ep_dim="ep", tp_dim="tp") -> None:
+        self.ep_dim, self.tp_dim = ep_dim, tp_dim
+
+    def _apply(self, module: nn.Module, mesh, name: str = "") -> nn.Module:
+        if mesh.ndim != 2:
+            raise ValueError(f"parallelize_module: ExpertTensorParallel needs a 2-d (ep, tp) mesh, got {mesh}")
+        ep, tp = mesh.dim_index(self.ep_dim), mesh.dim_index(self.tp_dim)
+        if ep == tp:
+            raise ValueError(f"ExpertTensorParallel: ep_dim {self.ep_dim!r} and tp_dim {self.tp_dim!r} are one mesh dim")
+        num_experts = _experts(module, name)
+        hidden_dims = {"w1": 2, "w3": 2, "w2": 1}
+        for pname, p in module.named_parameters(recurse=False):
+            _divides(name, pname, p.shape[0], mesh.shape[ep], "experts (dim 0)", "ep")
+            if pname in hidden_dims and p.ndim == 3:
+                _divides(name, pname, p.shape[hidden_dims[pname]], mesh.shape[tp], f"hidden (dim {hidden_dims[pname]})",
+                         "tp")
+
+        def placements(pname):
+            pl = [Replicate(), Replicate()]
+            pl[ep] = Shard(0)
+            if pname in hidden_dims and getattr(module, pname).ndim == 3:
+                pl[tp] = Shard(hidden_dims[pname])
+            return tuple(pl)
+
+        distribute_params(module, mesh, placements, self.src_data_rank)
+        return _install(module, _Layout(mesh, ep, tp, num_experts, name))
+
+
+def _divides(name: str, pname: str, size: int, n: int, what: str, dim: str) -> None:
+    if size % n:
+        raise ValueError(f"parallelize_module: ExpertTensorParallel on {name!r} shards {pname} {what} of size {size} "
+                         f"over {dim}={n}, which does not divide it")
+
+
+__all__ = ["ExpertParallel", "ExpertTensorParallel"]
