@@ -3,9 +3,10 @@
 Each rank builds the same DeepSeek-style MoE layer (``tests/moe_model.py``: 8 experts, top-2,
 a shared expert) from one seed; the copy on one process runs the full batch as the reference.
 The parallel copy has its experts sharded over ep=4 and each rank runs its quarter of the
-batch (ExpertTensorParallel: ep=2 x tp=2, each expert's hidden dim split over tp). Losses, the experts' gradients (each rank's Shard(0) piece), the other parameters'
-gradients (summed over the ranks, as data parallelism would) and the parameters after 3 AdamW
-steps must agree. Routing alone is checked against every rank's tokens, with random counts
+batch (ExpertTensorParallel: ep=2 x tp=2, each expert's hidden dim split over tp, the two tp
+ranks of an ep index running the same half). Losses, the input's and the experts' gradients,
+the other parameters' gradients (summed over ep, as data parallelism would) and the parameters
+after 3 AdamW steps must agree, also under activation checkpointing. Routing alone is checked against every rank's tokens, with random counts
 (zeros included); bad counts on one rank raise the same error on every rank within seconds.
 """
 import copy

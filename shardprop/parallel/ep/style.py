@@ -140,7 +140,7 @@ class ExpertParallel(ParallelStyle):
         for pname, _ in module.named_parameters(recurse=False):
             check_divisible(name, module, "ExpertParallel", pname, 0, mesh)
         distribute_params(module, mesh, lambda _: Shard(0), self.src_data_rank)
-        return _install(module, _Layout(mesh, 0, None, num_experts, name))
+        return _install(module, _Layout(mesh, 0, None, num_experts, name or type(module).__name__))
 
 
 class ExpertTensorParallel(ExpertParallel):
@@ -186,7 +186,7 @@ class ExpertTensorParallel(ExpertParallel):
             return tuple(pl)
 
         distribute_params(module, mesh, placements, self.src_data_rank)
-        return _install(module, _Layout(mesh, ep, tp, num_experts, name))
+        return _install(module, _Layout(mesh, ep, tp, num_experts, name or type(module).__name__))
 
 
 def _divides(name: str, pname: str, size: int, n: int, what: str, dim: str) -> None:
