@@ -122,8 +122,16 @@ def _raise_on_any_problem(got: torch.Tensor, ranks, code: int, message: str, min
                          "rows of the same shape and dtype. Every rank of the group raises this error")
 
 
-class _Uneven(torch.autograd.Function):
-    """The row move: forward sends ``input_splits``, backward sends the gradient back (splits swapped)."""
+class AllToAllUneven(torch.autograd.Function):
+    """The row move: forward sends ``input_splits``, backward sends the gradient back (splits swapped).
+
+    Under torch.compile it is recorded whole (``shardprop.tensor.compile_support`` marks it
+    allow_in_graph): on fake tensors ``collectives.all_to_all`` issues the functional
+    all-to-all, so a graph holds it when both split lists are given (exchanging them needs data).
+
+    Example:
+        >>> y = AllToAllUneven.apply(x, mesh, 0, [2, 0, 1, 1], [1, 1, 2, 0], False)  # doctest: +SKIP
+    """
 
     @staticmethod
     def forward(ctx, t, mesh, dims, output_splits, input_splits, async_op):
@@ -147,7 +155,8 @@ def all_to_all_uneven(t: torch.Tensor, mesh, dims: MeshDims, input_splits, outpu
     they must match what the peers send. Zero sizes are fine. Differentiable: the gradient goes
     back by the inverse all-to-all. With ``async_op`` the rows travel while the caller works
     (the size exchange itself completes first) and the result is an ``AsyncTensor``; with
-    autograd recording, the move is synchronous.
+    autograd recording, the move is synchronous. Traceable by torch.compile when both split
+    lists are given (plain ints: the graph is specialised on them).
 
     Example:
         >>> x = torch.randn(6, 8, requires_grad=True)  # doctest: +SKIP
@@ -160,8 +169,8 @@ def all_to_all_uneven(t: torch.Tensor, mesh, dims: MeshDims, input_splits, outpu
     else:
         output_splits = _as_ints(output_splits)
     if t.requires_grad and torch.is_grad_enabled():
-        return _Uneven.apply(t, mesh, dims, output_splits, input_splits, False)
+        return AllToAllUneven.apply(t, mesh, dims, output_splits, input_splits, False)
     return collectives.all_to_all(t, mesh, dims, output_splits, input_splits, async_op=async_op)
 
 
-__all__ = ["all_to_all_uneven", "exchange_splits"]
+__all__ = ["AllToAllUneven", "all_to_all_uneven", "exchange_splits"]

@@ -147,3 +147,35 @@ def test_bad_splits_raise_on_every_rank(kind, says):
         assert took < 5, out
     # The pool is still usable (no rank left blocked in a collective).
     assert run_on_ranks(4, _grads) == [True] * 4
+
+
+def _compiled():
+    from torch._dynamo.backends.common import aot_autograd
+    from shardprop import init_device_mesh
+    from shardprop.mesh import all_to_all_uneven
+    mesh = init_device_mesh("cpu", (4,))
+    me = dist.get_rank()
+    sizes = _sizes(4, 21)
+    ins, outs = sizes[me], [sizes[r][me] for r in range(4)]
+    targets = []
+
+    def keep_graph(gm, example_inputs):  # forward and backward graphs, as AOTAutograd hands them over
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def f(x):
+        return all_to_all_uneven(x * 2, mesh, 0, ins, outs) + 1
+
+    x = _data(sum(ins), me, 21).requires_grad_()
+    want = f(x)
+    want.sum().backward()
+    want_grad, x.grad = x.grad, None
+    got = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph))(x)
+    got.sum().backward()
+    assert torch.equal(got, want) and torch.equal(x.grad, want_grad)
+    # The row move is in the graphs as the functional all-to-all, forward and backward.
+    return sum("all_to_all_single" in t for t in targets)
+
+
+def test_uneven_all_to_all_compiles_with_given_splits():
+    assert run_on_ranks(4, _compiled, timeout=180) == [2] * 4
