@@ -35,7 +35,7 @@ def _loss(out, tgt, total):
 
 def _train(steps=3, ac=False, etp=False):
     from shardprop import ExpertParallel, ExpertTensorParallel, Shard, comm_counter, init_device_mesh, parallelize_module
-    from tests.moe_model import MoE
+    from shardprop.demo.moe import MoE
     torch.manual_seed(0)
     ref = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
     model = copy.deepcopy(ref)
@@ -160,7 +160,7 @@ def test_routing_sends_tokens_to_their_experts_and_back():
 
 def _bad_counts(kind):
     from shardprop import ExpertParallel, init_device_mesh, parallelize_module
-    from tests.moe_model import GroupedExperts
+    from shardprop.demo.moe import GroupedExperts
     torch.manual_seed(0)
     experts = GroupedExperts(16, 24, 8)
     parallelize_module(experts, init_device_mesh("cpu", (4,)), ExpertParallel())
@@ -196,7 +196,7 @@ def test_mismatched_counts_raise_on_every_rank(kind, says):
 
 def _refusals():
     from shardprop import ExpertParallel, ExpertTensorParallel, init_device_mesh, parallelize_module
-    from tests.moe_model import GroupedExperts
+    from shardprop.demo.moe import GroupedExperts
     m2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
     cases = [(GroupedExperts(16, 24, 6), init_device_mesh("cpu", (4,)), ExpertParallel()),  # 6 experts over 4
              (GroupedExperts(16, 24, 8), m2, ExpertParallel()),                          # a 2-d mesh
@@ -222,7 +222,7 @@ def test_layouts_that_do_not_fit_are_refused():
 def _load_and_explain():
     from shardprop import ExpertParallel, comm_counter, expert_load, explain, init_device_mesh, parallelize_module
     from shardprop.parallel.ep import local_load
-    from tests.moe_model import GroupedExperts
+    from shardprop.demo.moe import GroupedExperts
     torch.manual_seed(0)
     experts = GroupedExperts(16, 24, 8)
     parallelize_module(experts, init_device_mesh("cpu", (4,)), ExpertParallel(), strict=True)
@@ -251,3 +251,22 @@ def _load_and_explain():
 def test_expert_load_and_explain_show_tokens_per_expert():
     out = run_on_ranks(4, _load_and_explain)
     assert len(set(out)) == 1 and "tokens per expert" in out[0], out
+
+
+def _demo(argv):
+    from shardprop.demo import train as demo
+    from shardprop.demo.moe_train import moe_main
+    return moe_main(demo.parser().parse_args(argv), demo.compare, demo.RTOL)
+
+
+@pytest.mark.parametrize("mesh", ["4", "2x2"])
+def test_demo_moe_flag_matches_one_process(mesh):
+    argv = ["--moe", "--mesh", mesh, "--steps", "3", "--dim", "16", "--seq", "8", "--batch", "4"]
+    results = run_on_ranks(4, _demo, argv, timeout=180)
+    assert results[0]["ok"] is True, results[0]
+    assert len(results[0]["losses"]) == 3 and len(set(results[0]["losses"])) == 3
+    for r in results[1:]:
+        assert r["losses"] == pytest.approx(results[0]["losses"], rel=1e-6)
+        assert r["loads"] == results[0]["loads"]  # expert_load gathers the same picture on every rank
+    # top-2 of 8 experts: every step routes 2 x 32 token copies
+    assert all(sum(tokens) == 2 * 4 * 8 for tokens, _ in results[0]["loads"])

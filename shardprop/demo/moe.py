@@ -1,4 +1,4 @@
-"""A small DeepSeek-style MoE layer for the expert-parallel tests (plain torch, no shardprop).
+"""A small DeepSeek-style MoE layer: the demo's (``--moe``) and the expert-parallel tests' model (plain torch).
 
 Router: a linear gate, softmax scores, top-k experts per token. Routed experts: a module
 with torchtitan's ``GroupedExperts`` contract (stacked ``w1``/``w3`` ``[experts, dim, hidden]``,
@@ -7,6 +7,7 @@ expert, weights read through ``.to_local()`` when they are DTensors), computed b
 its experts. One shared expert, a plain SwiGLU MLP, sees every token.
 
 Example:
+    >>> import torch
     >>> moe = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
     >>> moe(torch.randn(2, 5, 16)).shape
     torch.Size([2, 5, 16])
@@ -15,12 +16,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["GroupedExperts", "MoE", "SharedExpert", "TopKRouter", "synthetic_batch"]
+
 
 def _local(w):
     return w.to_local() if hasattr(w, "to_local") else w
 
 
 class GroupedExperts(nn.Module):
+    """Stacked experts (torchtitan's contract): ``forward(x, num_tokens_per_expert)`` on tokens sorted by expert.
+
+    Example:
+        >>> GroupedExperts(4, 6, 2)(torch.randn(3, 4), torch.tensor([1, 2])).shape
+        torch.Size([3, 4])
+    """
+
     def __init__(self, dim, hidden, num_experts):
         super().__init__()
         self.num_experts = num_experts
@@ -38,6 +48,8 @@ class GroupedExperts(nn.Module):
 
 
 class TopKRouter(nn.Module):
+    """Softmax scores over a linear gate; each token's top-k experts, their scores, and tokens per expert."""
+
     def __init__(self, dim, num_experts, top_k):
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
@@ -51,6 +63,8 @@ class TopKRouter(nn.Module):
 
 
 class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through."""
+
     def __init__(self, dim, hidden):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -62,6 +76,8 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts (``experts``, the module expert parallelism shards) and a shared expert."""
+
     def __init__(self, dim=16, hidden=24, num_experts=8, top_k=2):
         super().__init__()
         self.top_k = top_k
@@ -80,3 +96,14 @@ class MoE(nn.Module):
         routed = routed * top_scores.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros_like(x).index_add(0, token, routed)
         return (out + self.shared_expert(x)).reshape(shape)
+
+
+def synthetic_batch(step: int, batch: int, seq: int, dim: int, seed: int = 0):
+    """Inputs and regression targets of one step, the same on every rank (each takes its rows).
+
+    Example:
+        >>> x, y = synthetic_batch(0, 2, 3, 4); x.shape
+        torch.Size([2, 3, 4])
+    """
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    return torch.randn(batch, seq, dim, generator=g), torch.randn(batch, seq, dim, generator=g)
