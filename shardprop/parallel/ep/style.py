@@ -7,7 +7,9 @@ expert, and weights read through ``.to_local()`` when they are DTensors. The sty
 parameter ``Shard(0)`` over the ep mesh, and wraps forward in two hooks: before it,
 :func:`routing.dispatch` (each rank's tokens to the ranks holding their experts, regrouped by
 local expert); after it, :func:`routing.combine` (results back, in the caller's order). The
-module itself runs unchanged on its local experts.
+module itself runs unchanged on its local experts. ``ExpertTensorParallel`` does the same on a
+2-d (ep, tp) mesh with each expert's hidden dim sharded over tp (``tensor_parallel``: the
+all-reduces of that region).
 """
 from __future__ import annotations
 
