@@ -22,7 +22,9 @@ nccl        cpu     unsupported (NCCL carries CUDA memory only)
 
 ``all_to_all`` on gloo/cuda is staged too: gloo has CUDA alltoall work, but no GPU run has
 exercised it with shardprop's uneven splits; staging costs what gloo's own CUDA paths cost
-(they copy through host memory as well).
+(they copy through host memory as well). The uneven all-to-all of ``uneven_all_to_all.py``
+(MoE token routing: its size exchange and its rows) goes through the same ``all_to_all`` call,
+so it takes this route too.
 
 Testing without a GPU: :func:`force` (or ``SHARDPROP_FORCE_STAGING=cuda|all``) makes CPU
 tensors on gloo take the gloo/cuda routes (``cuda``) or stage every call (``all``).

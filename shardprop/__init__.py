@@ -58,3 +58,5 @@ __all__ += ["local_map", "implicit_replication", "PrepareModuleInputOutput"]
 __all__ += ["context_parallel", "context_parallel_unshard"]
 from shardprop.dispatch.fast_paths import fast_paths, fast_paths_enabled, set_fast_paths  # noqa: E402
 __all__ += ["fast_paths", "fast_paths_enabled", "set_fast_paths"]
+from shardprop.parallel.ep import ExpertLoad, ExpertParallel, ExpertTensorParallel, expert_load  # noqa: E402
+__all__ += ["ExpertParallel", "ExpertTensorParallel", "ExpertLoad", "expert_load"]

@@ -5,6 +5,7 @@
     python -m shardprop.demo --compile     # the same training under torch.compile (inductor)
     python -m shardprop.demo --tour        # the older tour: one tensor through every placement
     python -m shardprop.demo --cp 4 --seq 4096 --batch 1 --steps 3     # context parallelism (ring attention)
+    python -m shardprop.demo --moe [--mesh 4|2x2]                      # mixture of experts: ep=4, or ep2 x tp2
     python -m shardprop.demo --steps 10 --checkpoint ckpt              # save at the end (DCP)
     python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
     python -m shardprop.demo --fsdp --ac selective                     # tp + fully_shard + selective AC
@@ -300,6 +301,9 @@ def _run(args) -> None:
     if getattr(args, "cp", None):
         from shardprop.demo.cp_train import cp_main
         summary = cp_main(args, config_from, compare, RTOL)
+    elif getattr(args, "moe", False):
+        from shardprop.demo.moe_train import moe_main
+        summary = moe_main(args, compare, RTOL, _device_type(args))
     else:
         summary = rank_main(args)
     if summary["ok"] is False:
@@ -344,6 +348,9 @@ def parser() -> argparse.ArgumentParser:
                    help="train under torch.compile (backend: inductor, or e.g. aot_eager)")
     p.add_argument("--cp", type=int, default=None, metavar="N",
                    help="context parallelism over N ranks (ring attention; see shardprop.demo.cp_train)")
+    p.add_argument("--moe", action="store_true",
+                   help="a mixture-of-experts layer, experts over ep (--mesh 4) or ep x tp (--mesh 2x2); see "
+                        "shardprop.demo.moe_train")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: NCCL with one GPU per rank, or ranks sharing fewer GPUs over gloo (default: cuda if any)")

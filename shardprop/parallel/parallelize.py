@@ -104,7 +104,8 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
     ``parallelize_plan`` is one style (for ``module`` itself) or a dict from dotted submodule names
     to styles; an atom of a name may contain ``*`` wildcards (``"layers.*.feed_forward.w1"``). Styles
     are applied in the plan's order. On a multi-dim mesh pass the tensor-parallel sub-mesh,
-    ``mesh["tp"]``; without ``device_mesh``, the mesh of the enclosing ``with mesh:``. ``src_data_rank`` is handed to ``distribute_tensor`` for every parameter: the
+    ``mesh["tp"]`` (styles that lay a module out over several mesh dims, ``ExpertTensorParallel``,
+    take the n-d mesh); without ``device_mesh``, the mesh of the enclosing ``with mesh:``. ``src_data_rank`` is handed to ``distribute_tensor`` for every parameter: the
     mesh rank whose weights every rank ends up with (default 0, the single-device semantics), or
     None for each rank's own weights, cut locally.
 
@@ -156,7 +157,9 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
         warnings.warn("parallelize_module: no parallelize_plan given, so this call does nothing (torch's "
                       "parallelize_module does the same; pass strict=True to raise instead)", stacklevel=2)
         return module
-    if mesh.ndim != 1:
+    styles = ([parallelize_plan] if isinstance(parallelize_plan, ParallelStyle)
+              else list(parallelize_plan.values()) if isinstance(parallelize_plan, dict) else [])
+    if mesh.ndim != 1 and not (styles and all(getattr(s, "takes_nd_mesh", False) for s in styles)):
         names = getattr(mesh, "mesh_dim_names", None)
         hint = f'mesh["{names[-1]}"]' if names else "a 1-d sub-mesh"
         raise ValueError(f"parallelize_module: tensor parallelism needs a 1-d mesh, got a {mesh.ndim}-d mesh "

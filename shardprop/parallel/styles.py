@@ -89,6 +89,7 @@ def distribute_params(module: nn.Module, mesh, placement_of, src_data_rank: Opti
     """Make each direct parameter of ``module`` a DTensor Parameter laid out as ``placement_of(name)``.
 
     ``src_data_rank`` goes to ``distribute_tensor``: whose values every rank gets (None: its own).
+    ``placement_of`` may return a tuple, one placement per mesh dim, for a multi-dim mesh.
 
     Parameters that are DTensors already are kept (a module styled twice keeps its first
     layout). The gradient of each parameter is laid out like the parameter (a hook
@@ -105,7 +106,9 @@ def distribute_params(module: nn.Module, mesh, placement_of, src_data_rank: Opti
         if p is None or isinstance(p, DTensor):
             continue
         placement = placement_of(name) or R
-        dt = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=src_data_rank)
+        # One placement (a 1-d mesh), or one per mesh dim (styles for n-d meshes, e.g. ExpertTensorParallel).
+        placements = list(placement) if isinstance(placement, (tuple, list)) else [placement]
+        dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=src_data_rank)
         param = nn.Parameter(dt, requires_grad=p.requires_grad)
         if p.requires_grad:
             param.register_hook(grad_like(param, param.placements))
@@ -139,6 +142,8 @@ class ParallelStyle:
     """
 
     src_data_rank: Optional[int] = 0
+    # Whether the style lays a module out over a multi-dim mesh (parallelize_module otherwise wants 1-d).
+    takes_nd_mesh = False
 
     def _apply(self, module: nn.Module, mesh, name: str = "") -> nn.Module:
         raise NotImplementedError

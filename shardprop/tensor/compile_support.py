@@ -9,6 +9,9 @@ or at once if it already is imported.
   ``torch.Tensor._make_wrapper_subclass``, so it records each call whole;
   AOTAutograd then runs them on fake local tensors and desugars the DTensors
   into local tensors plus metadata (``DTensor.__tensor_flatten__``).
+- ``allow_in_graph`` also for the uneven all-to-all's autograd function
+  (``shardprop.mesh.uneven_all_to_all.AllToAllUneven``, MoE token routing): dynamo cannot
+  read the mesh inside its forward, AOTAutograd runs it on fake tensors (a functional all-to-all).
 - ``DeviceMesh`` as an opaque *value* type, so a mesh can be an argument of those
   calls in a graph: compiled code guards on it by equality and names it through
   ``DeviceMesh.__fx_repr__`` (the API differs per release: ``shardprop.mesh.compat``).
@@ -145,3 +148,11 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 when_dynamo_loads(_register_mesh, "registering DeviceMesh as an opaque value type")
+
+
+def _register_uneven_all_to_all(dynamo) -> None:
+    from shardprop.mesh.uneven_all_to_all import AllToAllUneven
+    dynamo.allow_in_graph(AllToAllUneven)
+
+
+when_dynamo_loads(_register_uneven_all_to_all, "allow_in_graph(AllToAllUneven)")

@@ -1,0 +1,109 @@
+"""A small DeepSeek-style MoE layer: the demo's (``--moe``) and the expert-parallel tests' model (plain torch).
+
+Router: a linear gate, softmax scores, top-k experts per token. Routed experts: a module
+with torchtitan's ``GroupedExperts`` contract (stacked ``w1``/``w3`` ``[experts, dim, hidden]``,
+``w2`` ``[experts, hidden, dim]``, ``forward(x, num_tokens_per_expert)`` on tokens sorted by
+expert, weights read through ``.to_local()`` when they are DTensors), computed by a loop over
+its experts. One shared expert, a plain SwiGLU MLP, sees every token.
+
+Example:
+    >>> import torch
+    >>> moe = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
+    >>> moe(torch.randn(2, 5, 16)).shape
+    torch.Size([2, 5, 16])
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GroupedExperts", "MoE", "SharedExpert", "TopKRouter", "synthetic_batch"]
+
+
+def _local(w):
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+class GroupedExperts(nn.Module):
+    """Stacked experts (torchtitan's contract): ``forward(x, num_tokens_per_expert)`` on tokens sorted by expert.
+
+    Example:
+        >>> GroupedExperts(4, 6, 2)(torch.randn(3, 4), torch.tensor([1, 2])).shape
+        torch.Size([3, 4])
+    """
+
+    def __init__(self, dim, hidden, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, hidden, dim) / hidden ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
+
+    def forward(self, x, num_tokens_per_expert):
+        # Under expert parallelism the local pieces: this rank's experts and the tokens routed to them.
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        assert num_tokens_per_expert.shape[0] == w1.shape[0], (num_tokens_per_expert.shape, w1.shape)
+        outs = [(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]
+                for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist()))]
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+class TopKRouter(nn.Module):
+    """Softmax scores over a linear gate; each token's top-k experts, their scores, and tokens per expert."""
+
+    def __init__(self, dim, num_experts, top_k):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts, self.top_k = num_experts, top_k
+
+    def forward(self, x):
+        scores = torch.softmax(self.gate(x), dim=-1)
+        top_scores, selected = torch.topk(scores, self.top_k, dim=-1)
+        counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts)
+        return top_scores, selected, counts
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Router, routed experts (``experts``, the module expert parallelism shards) and a shared expert."""
+
+    def __init__(self, dim=16, hidden=24, num_experts=8, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = TopKRouter(dim, num_experts, top_k)
+        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.shared_expert = SharedExpert(dim, hidden)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_scores, selected, counts = self.router(x)
+        # Token copies sorted by expert (stable: ties keep token order).
+        order = torch.argsort(selected.reshape(-1), stable=True)
+        token = order // self.top_k
+        routed = self.experts(x[token], counts)
+        routed = routed * top_scores.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(x).index_add(0, token, routed)
+        return (out + self.shared_expert(x)).reshape(shape)
+
+
+def synthetic_batch(step: int, batch: int, seq: int, dim: int, seed: int = 0):
+    """Inputs and regression targets of one step, the same on every rank (each takes its rows).
+
+    Example:
+        >>> x, y = synthetic_batch(0, 2, 3, 4); x.shape
+        torch.Size([2, 3, 4])
+    """
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    return torch.randn(batch, seq, dim, generator=g), torch.randn(batch, seq, dim, generator=g)
