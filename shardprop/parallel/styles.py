@@ -54,19 +54,27 @@ def _normalized(layout: Placement, ndim: int) -> tuple:
     return normalize_placements((layout,), ndim, 1, "parallel style")
 
 
-def to_dtensor(x, mesh, layout: Placement, desired: Optional[Placement]):
+def to_dtensor(x, mesh, layout: Placement, desired: Optional[Placement], last_size: Optional[int] = None):
     """``x`` as a DTensor laid out as ``desired``: plain tensors are this rank's piece of ``layout``.
 
-    Non-tensors pass through unchanged. ``desired=None`` keeps the layout as is.
+    Non-tensors pass through unchanged. ``desired=None`` keeps the layout as is. A plain piece is
+    taken to be an even share (as ``DTensor.from_local`` takes it), except that ``last_size``, where
+    given, is the global size of the last dim (a Linear's ``in_features``): a piece of a feature dim
+    that tp does not divide, in torch.chunk order, then gets the right global shape.
 
     Example:
         >>> to_dtensor(torch.ones(2, 4), mesh, Shard(0), Replicate()).shape  # 4 ranks  # doctest: +SKIP
         torch.Size([8, 4])
+        >>> to_dtensor(torch.ones(2, 3), mesh, Shard(-1), None, last_size=10).shape  # pieces 3, 3, 3, 1  # doctest: +SKIP
+        torch.Size([2, 10])
     """
     if not isinstance(x, torch.Tensor):
         return x
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+        shape = None
+        if last_size is not None and type(layout) is Shard and layout.dim in (-1, x.ndim - 1):
+            shape = x.shape[:-1] + (last_size,)
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False, shape=shape)
     if desired is not None:
         want = _placements_of(desired, x.ndim)
         # Under torch.compile the layout is not read here (the graph cannot hold placements):
@@ -160,15 +168,16 @@ class _LinearStyle(ParallelStyle):
         kind = "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else None
         if kind is None:
             raise _unsupported(style, name, module, "nn.Linear and nn.Embedding")
-        params, in_default, desired_in, out_default, even = self._layouts(kind)
-        for pname, dim in even:
-            check_divisible(name, module, style, pname, dim, mesh)
+        params, in_default, desired_in, out_default = self._layouts(kind)
         distribute_params(module, mesh, params.get)
         in_layout = self.input_layouts or in_default
         out_layout = self.output_layouts or out_default
         use_local = self.use_local_output
+        # A Linear's input features are the weight's columns: a plain input piece of them (a column-parallel
+        # output before a row-parallel layer) gets its global size from there, even where tp does not divide it.
+        in_features = module.weight.shape[1] if kind == "linear" else None
         # Hooks are partials of module-level functions, so torch.save(model) can pickle them.
-        pre = functools.partial(_linear_pre, mesh, in_layout, desired_in)
+        pre = functools.partial(_linear_pre, mesh, in_layout, desired_in, in_features)
         post = functools.partial(_linear_post, mesh, out_layout, use_local)
         # Eager: local matmul / lookup plus explicit collectives (fused_linear); this DTensor path is
         # kept for torch.compile and for layouts the fast path does not cover.
@@ -182,8 +191,8 @@ class _LinearStyle(ParallelStyle):
         return module
 
 
-def _linear_pre(mesh, in_layout, desired_in, mod, inputs):
-    return (to_dtensor(inputs[0], mesh, in_layout, desired_in),) + tuple(inputs[1:])
+def _linear_pre(mesh, in_layout, desired_in, in_features, mod, inputs):
+    return (to_dtensor(inputs[0], mesh, in_layout, desired_in, in_features),) + tuple(inputs[1:])
 
 
 def _linear_post(mesh, out_layout, use_local, mod, inputs, output):
@@ -213,8 +222,8 @@ class ColwiseParallel(_LinearStyle):
 
     def _layouts(self, kind):
         if kind == "linear":
-            return {"weight": Shard(0), "bias": Shard(0)}, R, R, Shard(-1), (("weight", 0),)
-        return {"weight": Shard(1)}, R, R, Shard(-1), (("weight", 1),)
+            return {"weight": Shard(0), "bias": Shard(0)}, R, R, Shard(-1)
+        return {"weight": Shard(1)}, R, R, Shard(-1)
 
 
 class RowwiseParallel(_LinearStyle):
@@ -236,8 +245,8 @@ class RowwiseParallel(_LinearStyle):
 
     def _layouts(self, kind):
         if kind == "linear":
-            return {"weight": Shard(1), "bias": R}, Shard(-1), Shard(-1), R, (("weight", 1),)
-        return {"weight": Shard(0)}, R, R, R, ()  # the masked lookup handles an uneven vocabulary
+            return {"weight": Shard(1), "bias": R}, Shard(-1), Shard(-1), R
+        return {"weight": Shard(0)}, R, R, R
 
 
 class SequenceParallel(ParallelStyle):
