@@ -19,8 +19,8 @@ a column-parallel Linear feeding a row-parallel one through plain local tensors 
 assumes even pieces, so its row-parallel matmul sees a global shape of 12 for a hidden dim of 10 and
 fails in sharding propagation; shardprop takes the row-parallel input's global size from the weight).
 """
-import copy
 import dataclasses
+import functools
 from types import SimpleNamespace
 from typing import Callable, Optional
 
@@ -70,7 +70,7 @@ def _lm_plan(a):
     s1 = a.Shard(1)
     return {"emb": a.Rowwise(input_layouts=a.Replicate(), output_layouts=s1, use_local_output=False),
             "norm": a.Sequence(),
-            "mlp.up": a.Colwise(input_layouts=s1),
+            "mlp.up": a.Colwise(input_layouts=s1, use_local_output=False),  # torch needs the global shape
             "mlp.down": a.Rowwise(output_layouts=s1, use_local_output=False),
             "out_norm": a.Sequence(),
             "head": a.Colwise(input_layouts=s1, use_local_output=False)}
@@ -84,7 +84,14 @@ class Case:
     data: Callable  # (n, generator) -> (input, output cotangent or targets)
     in_shard: Optional[int] = None  # feed the input as a DTensor sharded on this dim (None: plain, replicated)
     loss_parallel: bool = False  # cross-entropy on class-sharded logits under loss_parallel()
-    torch_ok: bool = True  # torch.distributed.tensor.parallel supports the case
+    torch_ok: Callable = lambda n, tp: True  # torch.distributed.tensor.parallel supports the case for n over tp
+    between: int = 0  # DTensor ops the model runs outside its styled modules (the fast paths dispatch no others)
+
+
+def _no_empty_piece(n, tp) -> bool:
+    """torch's loss_parallel indexes an empty class shard ("index 0 is out of bounds for dimension 1
+    with size 0") on the ranks that hold one, and the others then wait in a collective."""
+    return n >= tp
 
 
 def _x(shape):
@@ -118,12 +125,12 @@ CASES = {
         input_layouts=a.Replicate(), output_layouts=a.Shard(1), use_local_output=False), _x(lambda n: (B, n, D))),
     # Colwise -> Rowwise through plain local tensors: torch's from_local takes the pieces as even
     "mlp_local": Case(MLP, lambda a, n: {"up": a.Colwise(), "down": a.Rowwise()}, _x(lambda n: (B, SEQ, D)),
-                      torch_ok=False),
+                      torch_ok=lambda n, tp: False),
     # Colwise -> Rowwise around a sequence-sharded activation of length n (DTensors throughout), hidden 10
     "mlp_sequence": Case(lambda n: MLP(D + 2), lambda a, n: {
         "up": a.Colwise(input_layouts=a.Shard(1), use_local_output=False),
         "down": a.Rowwise(output_layouts=a.Shard(1), use_local_output=False)},
-        _x(lambda n: (B, n, D)), in_shard=1),
+        _x(lambda n: (B, n, D)), in_shard=1, between=1),  # gelu
     # Embedding: vocabulary-sharded (masked lookup, a partial sum) and embedding-dim sharded
     "embedding_rowwise": Case(lambda n: nn.Embedding(n, D), lambda a, n: a.Rowwise(input_layouts=a.Replicate()),
                               _ids(lambda n: n, lambda n: (B, SEQ))),
@@ -142,9 +149,10 @@ CASES = {
                              in_shard=1),
     # loss_parallel: n classes
     "loss_parallel": Case(lambda n: nn.Linear(D, n), lambda a, n: a.Colwise(use_local_output=False),
-                          _feats_targets, loss_parallel=True),
+                          _feats_targets, loss_parallel=True, torch_ok=_no_empty_piece),
     # all of it: vocabulary and hidden size n, sequence 7
-    "tiny_lm": Case(TinyLM, lambda a, n: _lm_plan(a), _tokens_targets, loss_parallel=True),
+    "tiny_lm": Case(TinyLM, lambda a, n: _lm_plan(a), _tokens_targets, loss_parallel=True, torch_ok=_no_empty_piece,
+                    between=2),  # gelu, residual add
 }
 
 
@@ -178,6 +186,12 @@ def _placements(t) -> tuple:
         kind = type(p).__name__
         out.append(f"{kind}({p.dim % t.ndim})" if kind == "Shard" else kind)
     return tuple(out)
+
+
+def _dispatches() -> int:
+    """Ops that went through shardprop's dispatcher so far (the fast paths send none)."""
+    from shardprop.dispatch.dispatcher import call_counts
+    return sum(call_counts().values())
 
 
 def _record(t):
@@ -214,7 +228,10 @@ def _run(case: Case, n: int, api, mesh):
         if api is not None and case.in_shard is not None:
             xin = api.distribute_tensor(x, mesh, [api.Shard(case.in_shard)]).requires_grad_(floating)
         opt.zero_grad()
+        before = _dispatches() if api is not None else 0
         out = model(xin)
+        if api is not None and step == 0:
+            rec["forward dispatches"] = _dispatches() - before  # not a tensor: checked by the caller
         if case.loss_parallel:
             logits = out.flatten(0, -2) if out.ndim > 2 else out
             if api is None:
@@ -243,9 +260,32 @@ def _run(case: Case, n: int, api, mesh):
     return rec
 
 
+def _torch_layouts(tp, key, got, want) -> bool:
+    """Whether to compare placements and local shapes of our record ``got`` with torch's ``want``.
+
+    Values are always compared. Layouts are not where torch chooses differently on purpose:
+    * parameter gradients: shardprop lays each out like its parameter; torch leaves a sequence-parallel
+      norm's weight gradient ``Partial`` and makes a vocabulary-sharded embedding's ``Replicate`` (even
+      vocabularies too). A sharded torch gradient is compared.
+    * a dim smaller than the mesh: torch skips strategies that shard it and replicates (a sequence of 2
+      over 4 ranks, a parameter of 2 rows: then its AdamW fails on lerp_), where shardprop keeps the shard
+      with empty pieces.
+    """
+    if "grad" in key and "input grad" not in key and not any(p.startswith("Shard") for p in want[1] or ()):
+        return False
+    if set(want[1] or ()) == {"Replicate"}:
+        dims = [int(p[6:-1]) for p in got[1] or () if p.startswith("Shard")]
+        if any(got[0].shape[d] < tp for d in dims):
+            return False
+    return True
+
+
 def _compare(errors, where, got, want, tol, layouts):
-    """Values of every record in ``want``; placements and local shapes too where ``layouts`` (bool or key -> bool)."""
+    """Values of every record in ``want``; placements and local shapes too where ``layouts`` says
+    (a bool, or ``(key, want record) -> bool``). Records missing from ``want`` are not compared."""
     for key, w in want.items():
+        if key == "forward dispatches":
+            continue
         gv = got.get(key)
         if (gv is None) != (w is None):
             errors.append(f"{where} {key}: {'missing' if gv is None else 'unexpected'}")
@@ -256,7 +296,7 @@ def _compare(errors, where, got, want, tol, layouts):
             torch.testing.assert_close(gv[0], w[0], **tol)
         except AssertionError as e:
             errors.append(f"{where} {key}: {str(e).splitlines()[0]} {str(e).splitlines()[-1]}")
-        if (layouts(key) if callable(layouts) else layouts) and gv[1:] != w[1:]:
+        if (layouts(key, gv, w) if callable(layouts) else layouts) and gv[1:] != w[1:]:
             errors.append(f"{where} {key}: placements/local shape {gv[1:]} vs {w[1:]}")
 
 
@@ -289,26 +329,25 @@ def _cases_on(shape, sizes, names):
             except Exception as e:  # noqa: BLE001  (report every case, not the first failure)
                 errors.append(f"{where}: {type(e).__name__}: {e} at {_last_frames()}")
                 continue
+            # The fast paths take the uneven pieces (they do not step aside to the engine path).
+            if fast["forward dispatches"] != case.between or slow["forward dispatches"] <= case.between:
+                errors.append(f"{where}: forward dispatches {fast['forward dispatches']} with the fast paths, "
+                              f"{slow['forward dispatches']} without; expected {case.between} and more")
             _compare(errors, f"{where} vs one process:", fast, one, ATOL, layouts=False)
             _compare(errors, f"{where} fast paths on vs off:", fast, slow, TWIN, layouts=True)
-            if case.torch_ok:
+            if case.torch_ok(n, ref_mesh.size()):
                 try:
                     theirs = _run(case, n, ref, ref_mesh)
                 except StepFailed as e:
                     # torch's AdamW fails on a parameter with an empty piece ("in-place operations that
                     # require placement changes are not supported" for lerp_): compare up to there.
                     assert 0 in _piece_sizes(n, ref_mesh.size()), f"{where}: torch's step failed: {e}"
-                    # Its gradients there are Replicate (torch skips strategies that shard a dim smaller than
-                    # the mesh), where ours are laid out like the parameter: compare their values only.
                     notes.append(f"{where}: torch's optimizer step fails: {e}")
                     theirs = e.rec
-                    mine = {k: v for k, v in fast.items() if k in theirs}
-                    _compare(errors, f"{where} vs torch:", mine, theirs, ATOL, layouts=lambda key: "grad" not in key)
-                    continue
                 except Exception as e:  # noqa: BLE001
                     errors.append(f"{where} torch: {type(e).__name__}: {e} at {_last_frames()}")
                     continue
-                _compare(errors, f"{where} vs torch:", fast, theirs, ATOL, layouts=True)
+                _compare(errors, f"{where} vs torch:", fast, theirs, ATOL, layouts=functools.partial(_torch_layouts, ref_mesh.size()))
             checked += len(one)
     return checked, errors, notes
 
@@ -328,4 +367,4 @@ def test_uneven_styles_match_one_process_and_torch(shape, names):
     results = run_on_ranks(world, _cases_on, shape, SIZES[shape], names, timeout=500)
     for rank, (checked, errors, _notes) in enumerate(results):
         assert not errors, f"rank {rank}: {len(errors)} mismatches:\n" + "\n".join(errors[:40])
-        assert checked >= 10 * len(names) * len(SIZES[shape]), f"rank {rank} checked only {checked} records"
+        assert checked >= 7 * len(names) * len(SIZES[shape]), f"rank {rank} checked only {checked} records"
