@@ -368,3 +368,23 @@ def test_uneven_styles_match_one_process_and_torch(shape, names):
     for rank, (checked, errors, _notes) in enumerate(results):
         assert not errors, f"rank {rank}: {len(errors)} mismatches:\n" + "\n".join(errors[:40])
         assert checked >= 7 * len(names) * len(SIZES[shape]), f"rank {rank} checked only {checked} records"
+
+
+def test_strict_check_still_names_uneven_dims():
+    """``check_divisible`` keeps the old error for a strict mode to raise (the styles no longer do by default)."""
+    from shardprop import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from shardprop.parallel.styles import check_divisible
+    mesh = SimpleNamespace(size=lambda: 4)  # the check reads only the mesh size
+    uneven = [(ColwiseParallel(), nn.Linear(16, 10), "weight dim 0 of size 10"),
+              (RowwiseParallel(), nn.Linear(10, 16), "weight dim 1 of size 10"),
+              (ColwiseParallel(), nn.Embedding(16, 6), "weight dim 1 of size 6"),
+              (RowwiseParallel(), nn.Embedding(6, 16), "weight dim 0 of size 6")]
+    for style, module, needle in uneven:
+        with pytest.raises(ValueError, match=needle):
+            check_divisible(style, module, mesh, "m")
+    for style, module in [(ColwiseParallel(), nn.Linear(10, 16)), (RowwiseParallel(), nn.Linear(16, 10)),
+                          (ColwiseParallel(), nn.Linear(16, 8, bias=False)), (SequenceParallel(), nn.LayerNorm(7))]:
+        check_divisible(style, module, mesh, "m")
+    assert ColwiseParallel().sharded_dims(nn.Linear(4, 4)) == (("weight", 0), ("bias", 0))
+    assert ColwiseParallel().sharded_dims(nn.Linear(4, 4, bias=False)) == (("weight", 0),)
+    assert RowwiseParallel().sharded_dims(nn.Linear(4, 4)) == (("weight", 1),)

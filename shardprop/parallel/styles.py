@@ -119,15 +119,25 @@ def distribute_params(module: nn.Module, mesh, placement_of) -> None:
         module.register_parameter(name, param)
 
 
-def check_divisible(module_name: str, module: nn.Module, style: str, param: str, dim: int, mesh) -> None:
-    """Raise a ValueError naming the module, style, parameter and sizes if ``dim`` does not split evenly."""
-    size = getattr(module, param).shape[dim]
+def check_divisible(style: "ParallelStyle", module: nn.Module, mesh, module_name: str = "") -> None:
+    """Raise a ValueError naming the module, style, parameter and sizes if ``style`` would shard a parameter
+    of ``module`` unevenly over ``mesh``.
+
+    Uneven pieces are not an error by default (torch.chunk order, as torch lays them out); this is the
+    check for a strict mode to call before ``style._apply``.
+
+    Example:
+        >>> check_divisible(ColwiseParallel(), nn.Linear(16, 10), mesh_of_4, "up")  # doctest: +SKIP
+        ValueError: parallelize_module: ColwiseParallel on 'up' (Linear) shards weight dim 0 of size 10 ...
+    """
     n = mesh.size()
-    if size % n:
-        raise ValueError(
-            f"parallelize_module: {style} on {module_name!r} ({type(module).__name__}) shards {param} dim {dim} "
-            f"of size {size} over a mesh of size {n}, which does not divide it; the style needs equal shards "
-            f"(pick sizes divisible by {n}, or a different style for this module)")
+    for param, dim in style.sharded_dims(module):
+        size = getattr(module, param).shape[dim]
+        if size % n:
+            raise ValueError(
+                f"parallelize_module: {type(style).__name__} on {module_name!r} ({type(module).__name__}) shards "
+                f"{param} dim {dim} of size {size} over a mesh of size {n}, which does not divide it (strict mode "
+                f"wants equal shards: pick sizes divisible by {n}, or leave strict mode for torch.chunk pieces)")
 
 
 def _unsupported(style: str, module_name: str, module: nn.Module, supported: str) -> ValueError:
@@ -144,6 +154,10 @@ class ParallelStyle:
 
     def _apply(self, module: nn.Module, mesh, name: str = "") -> nn.Module:
         raise NotImplementedError
+
+    def sharded_dims(self, module: nn.Module) -> tuple:
+        """``(parameter name, dim)`` of each parameter of ``module`` this style shards (see ``check_divisible``)."""
+        return ()
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -163,9 +177,16 @@ class _LinearStyle(ParallelStyle):
     def _layouts(self, kind: str):
         raise NotImplementedError
 
+    def sharded_dims(self, module):
+        kind = _kind(module)
+        if kind is None:
+            return ()
+        return tuple((name, p.dim) for name, p in self._layouts(kind)[0].items()
+                     if type(p) is Shard and getattr(module, name, None) is not None)
+
     def _apply(self, module, mesh, name=""):
         style = type(self).__name__
-        kind = "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else None
+        kind = _kind(module)
         if kind is None:
             raise _unsupported(style, name, module, "nn.Linear and nn.Embedding")
         params, in_default, desired_in, out_default = self._layouts(kind)
@@ -189,6 +210,10 @@ class _LinearStyle(ParallelStyle):
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
+
+
+def _kind(module) -> Optional[str]:
+    return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else None
 
 
 def _linear_pre(mesh, in_layout, desired_in, in_features, mod, inputs):
