@@ -16,6 +16,13 @@ Plain-tensor inputs are taken to be this rank's piece of the declared input layo
 (``DTensor.from_local``, no check) and then redistributed to the layout the style needs;
 DTensor inputs are redistributed directly. Everything is differentiable.
 
+A sharded dim that tp does not divide is split in ``torch.chunk`` order (10 over 4: 3, 3, 3, 1;
+trailing ranks may be empty), as torch does; ``check_divisible`` is the old error, for a strict
+mode. A plain input piece is taken to be an even share (torch's ``from_local`` does the same),
+except a Linear's feature dim, whose global size is the weight's: so a Colwise -> Rowwise pair
+with an uneven hidden dim works through plain local tensors. An uneven sequence needs DTensors
+between the styles (``use_local_output=False``), which carry the global shape.
+
 Example (a Megatron-style MLP: one all-reduce forward, one backward)::
 
     >>> plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}  # doctest: +SKIP
