@@ -9,7 +9,10 @@ Three families, by how the output depends on the input:
 * fills (zero_, fill_, *_like): the values do not depend on the input, only the shape,
   so the input never needs to move. Filling ``v`` on every rank of a ``P(sum)`` tensor
   would mean ``k * v``; the functional forms give Replicate instead, and in-place ``fill_``
-  (which cannot change its target's layout) refuses. ``zero_`` is fine on any Partial;
+  (which cannot change its target's layout) stays ``P(sum)`` with ``v`` on the first rank
+  of each summing mesh dim and zeros on the others (as Replicate -> Partial is laid out).
+  torch keeps the placement too but writes ``v`` everywhere, reading as ``k * v``.
+  ``zero_`` is fine on any Partial;
 * factories with a global size (new_zeros, new_empty, ...): every rank makes the whole
   tensor, so the output is Replicate (correct; each rank pays the full memory), except
   when the size is the input's own shape: then the output takes the input's shards.
@@ -21,9 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.dispatch.propagate import ShardingError
 from shardprop.dispatch.registry import register_local_call, rule
-from shardprop.tensor.placement import REDUCE_OPS, Partial, Replicate, Shard
+from shardprop.tensor.placement import REDUCE_OPS, Partial, Replicate, Shard, partial_fill
 from shardprop.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
@@ -118,24 +120,30 @@ def zero(ctx):
 
 @rule(*FILLS)
 def fill(ctx):
-    """Every rank writes the value: right for shards, Replicate, and avg/max/min Partials, not P(sum)."""
-    me = ctx.args[0]
+    """Every rank writes the value (shards, Replicate, avg/max/min Partials); P(sum)/P(product): see _fill_once."""
     in_place = ctx.returns == "self"
-    if in_place and any(type(p) is Partial and p.reduce_op in _NOT_IDEMPOTENT for p in me.placements):
-        raise ShardingError(
-            f"{ctx.op}: cannot fill a Partial(sum) DTensor in place: every rank would hold the value, so "
-            f"the tensor would read as (ranks) x value. Redistribute it (e.g. to Replicate) first, or use "
-            f"zero_() (zero sums to zero)")
     value = () if len(ctx.specs) == 1 else (R,)  # fill_.Tensor: a 0-dim DTensor value, replicated
     options = []
-    for p in _placements(me.ndim):
-        out = p
-        if type(p) is Partial and p.reduce_op in _NOT_IDEMPOTENT:
-            if in_place:
-                continue
-            out = R  # functional fill: each rank holds the whole filled tensor
+    for p in _placements(ctx.args[0].ndim):
+        # P(sum)/P(product): in place, the value on one rank and the reduction's identity elsewhere
+        # (_fill_once); a functional fill holds it whole everywhere
+        summed = type(p) is Partial and p.reduce_op in _NOT_IDEMPOTENT
+        out = R if summed and not in_place else p
         options.append(((p,) + value, (out,)))
     return options
+
+
+def _fill_once(op, out, largs, lkwargs):
+    """fill_ on a ``P(sum)``/``P(product)`` target: the value where this rank is first on every such mesh
+    dim, the reduction's identity (0 or 1) elsewhere."""
+    spec = out.out_specs[0]
+    held = partial_fill(spec.placements, spec.mesh._coord)
+    if held is not None:
+        return largs[0].fill_(held)
+    return op(*largs, **lkwargs)
+
+
+register_local_call(aten.fill_, _fill_once)
 
 
 @rule(*LIKE)

@@ -7,6 +7,7 @@ backward and optimizer steps when the mode allows) and compares outputs and thei
 and parameter gradients (values and placements), parameters and optimizer state (values and
 placements). Drawn over:
 
+* sizes: hidden dim and vocabulary divisible by tp, or not (10 and 13 over 4: uneven pieces);
 * styles: Colwise, Rowwise, a Colwise -> Rowwise MLP, SequenceParallel (LayerNorm / RMSNorm),
   PrepareModuleInput (a sequence-parallel block), PrepareModuleOutput, column- and row-parallel
   embeddings, loss_parallel; ``use_local_output`` True/False;
@@ -52,7 +53,10 @@ from tests.rankpool import run_on_ranks
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
-V, D, H, SEQ = 16, 8, 16, 8  # vocabulary, model dim, hidden dim, sequence: all divisible by 4
+# vocabulary, model dim, hidden dim, sequence: divisible by 4; a case may draw an uneven hidden dim and
+# vocabulary instead (UNEVEN_H, UNEVEN_V: pieces in torch.chunk order, e.g. 3, 3, 3, 1)
+V, D, H, SEQ = 16, 8, 16, 8
+UNEVEN_H, UNEVEN_V = 10, 13
 STYLES = ("colwise", "rowwise", "mlp", "sp_norm", "prepare_input", "prepare_output", "embed_col", "embed_row",
           "loss_parallel")
 SEQUENCE_STYLES = ("sp_norm", "prepare_input", "prepare_output")
@@ -73,18 +77,18 @@ class LoRALinear(nn.Linear):
 
 
 class MLP(nn.Module):
-    def __init__(self, lin):
+    def __init__(self, lin, hidden=H):
         super().__init__()
-        self.up, self.down = lin(D, H), lin(H, D)
+        self.up, self.down = lin(D, hidden), lin(hidden, D)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
 
 
 class SPBlock(nn.Module):
-    def __init__(self, norm, lin):
+    def __init__(self, norm, lin, hidden=H):
         super().__init__()
-        self.norm, self.mlp = norm, MLP(lin)
+        self.norm, self.mlp = norm, MLP(lin, hidden)
 
     def forward(self, x):
         return self.mlp(self.norm(x))
@@ -130,32 +134,33 @@ def _build(case):
         return nn.RMSNorm(D) if case["norm"] == "rms" else nn.LayerNorm(D, bias=case["bias"])
 
     style, ul, nd = case["style"], case["use_local"], case["ndim"]
+    hidden, vocab = case["hidden"], case["vocab"]
     last = nd - 1
     if style == "colwise":
-        body, plan = One(lin(D, H)), {"m": ColwiseParallel(use_local_output=ul)}
+        body, plan = One(lin(D, hidden)), {"m": ColwiseParallel(use_local_output=ul)}
         return body, plan, None, last if ul else None, "m"
     if style == "rowwise":
-        body, plan = One(lin(H, D)), {"m": RowwiseParallel(use_local_output=ul)}
+        body, plan = One(lin(hidden, D)), {"m": RowwiseParallel(use_local_output=ul)}
         return body, plan, last, None, "m"
     if style == "mlp":
-        return MLP(lin), {"up": ColwiseParallel(), "down": RowwiseParallel()}, None, None, "up"
+        return MLP(lin, hidden), {"up": ColwiseParallel(), "down": RowwiseParallel()}, None, None, "up"
     if style == "sp_norm":
         return One(norm()), {"m": SequenceParallel()}, 1, None, "m"
     if style == "prepare_input":
         plan = {"norm": SequenceParallel(),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=Shard(1))}
-        return SPBlock(norm(), lin), plan, 1, 1, "mlp.down"
+        return SPBlock(norm(), lin, hidden), plan, 1, 1, "mlp.down"
     if style == "prepare_output":
         plan = {"m.up": ColwiseParallel(), "m.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
                 "m": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())}
-        return One(MLP(lin)), plan, None, None, "m.up"
+        return One(MLP(lin, hidden)), plan, None, None, "m.up"
     if style in ID_STYLES:
-        emb = nn.Embedding(V, D, padding_idx=0 if case["padding_idx"] else None)
+        emb = nn.Embedding(vocab, D, padding_idx=0 if case["padding_idx"] else None)
         plan = {"m": (ColwiseParallel if style == "embed_col" else RowwiseParallel)(use_local_output=ul)}
         return One(emb), plan, None, (nd - 1 if style == "embed_col" and ul else None), "m"
     assert style == "loss_parallel"
-    return One(lin(D, V)), {"m": ColwiseParallel(use_local_output=False)}, None, None, "m"
+    return One(lin(D, vocab)), {"m": ColwiseParallel(use_local_output=False)}, None, None, "m"
 
 
 def _hooks(module, case):
@@ -248,7 +253,7 @@ def _run(case, model, opt, fast, tp, dp, in_dim, out_dim, full_in, targets, g):
                     if case["style"] == "loss_parallel":
                         out = F.cross_entropy(out.flatten(0, -2), tg.flatten())
                 if dist_ and not isinstance(out, DTensor) and out_dim is not None:
-                    out = DTensor.from_local(out, tp, [Shard(out_dim)])
+                    out = DTensor.from_local(out, tp, [Shard(out_dim)], run_check=True)  # (uneven pieces too)
                 full_out = out.full_tensor() if isinstance(out, DTensor) else out
                 item = {"out": full_out.detach().clone(), "dtype": full_out.dtype}
                 if case["style"] == "loss_parallel" and dp_n > 1:  # the mean over this dp rank's rows: average
@@ -265,13 +270,13 @@ def _run(case, model, opt, fast, tp, dp, in_dim, out_dim, full_in, targets, g):
                         if case["style"] == "loss_parallel":
                             again = F.cross_entropy(again.flatten(0, -2), tg.flatten())
                         if dist_ and not isinstance(again, DTensor) and out_dim is not None:
-                            again = DTensor.from_local(again, tp, [Shard(out_dim)])
+                            again = DTensor.from_local(again, tp, [Shard(out_dim)], run_check=True)
                         again = again.full_tensor() if isinstance(again, DTensor) else again
                         (again if case["style"] == "loss_parallel" else
                          (again.float() * gg[..., :again.shape[-1]].reshape(again.shape)).sum() * dp_n).backward()
                     gx = undo(leaf.grad)
                     if gx is not None and dist_ and in_dim is not None:
-                        gx = DTensor.from_local(gx.detach(), tp, [Shard(in_dim)]).full_tensor()
+                        gx = DTensor.from_local(gx.detach(), tp, [Shard(in_dim)], run_check=True).full_tensor()
                     item["x_grad"] = None if gx is None else gx.detach().clone() / dp_n
                     item["grads"] = {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
                     item["grad_placements"] = {n: _placements(p.grad) for n, p in model.named_parameters()}
@@ -392,18 +397,19 @@ def run_case(case):
     _hooks(ref.body.get_submodule(hooked), case)
     _param_hooks(ref, case)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
+    hidden, vocab = case["hidden"], case["vocab"]
     shape = [4, SEQ, 4][: nd - 1] + [D]
     if case["style"] in ("rowwise",):
-        shape[-1] = H
+        shape[-1] = hidden
     if is_ids:
         shape = [4, SEQ, 2][: nd - 1]
-        full_in = torch.randint(0, V, shape, generator=gen)
+        full_in = torch.randint(0, vocab, shape, generator=gen)
         if case["padding_idx"]:
             full_in[..., 0] = 0
     else:
         full_in = torch.randn(shape, generator=gen)
-    targets = torch.randint(0, V, shape[:-1], generator=gen)
-    g = torch.randn(shape[:-1] + [max(H, V)], generator=gen)
+    targets = torch.randint(0, vocab, shape[:-1], generator=gen)
+    g = torch.randn(shape[:-1] + [max(hidden, vocab)], generator=gen)
     if is_ids:
         g = torch.randn(shape + [D], generator=gen)
     results, errors = {}, []
@@ -485,6 +491,7 @@ def cases(draw, style=None):
         use_local=draw(st.booleans()), norm=draw(st.sampled_from(("layer", "rms"))),
         padding_idx=draw(st.booleans()) if is_ids else False,
         meshes=meshes, at_parallelize=draw(st.booleans()),
+        hidden=draw(st.sampled_from((H, UNEVEN_H))), vocab=draw(st.sampled_from((V, UNEVEN_V))),
         seed=draw(st.integers(0, 2 ** 16)),
     )
 

@@ -317,12 +317,15 @@ def _error_cases():
            "ColwiseParallel", "'norm'", "LayerNorm", "nn.Linear")
     expect("bad type rowwise", lambda: parallelize_module(Block(), mesh, {"mlp": RowwiseParallel()}),
            "RowwiseParallel", "'mlp'", "MLP")
-    expect("not divisible colwise", lambda: parallelize_module(MLP(8, 6), mesh, {"up": ColwiseParallel()}),
-           "ColwiseParallel", "'up'", "weight", "size 6", "mesh of size 4")
-    expect("not divisible rowwise", lambda: parallelize_module(MLP(8, 6), mesh, {"down": RowwiseParallel()}),
-           "RowwiseParallel", "'down'", "weight", "size 6", "mesh of size 4")
-    expect("not divisible embedding", lambda: parallelize_module(nn.Embedding(16, 6), mesh, ColwiseParallel()),
-           "ColwiseParallel", "Embedding", "size 6")
+    # A dim tp does not divide is no error (as in torch): pieces in torch.chunk order, 6 over 4 -> 2, 2, 2, 0.
+    # tests/test_uneven_tp.py covers every style; here the MLP that used to raise.
+    torch.manual_seed(0)
+    model = MLP(8, 6)
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    want = (2, 2, 2, 0)[mesh.get_local_rank()]
+    assert model.up.weight.to_local().shape == (want, 8) and model.down.weight.to_local().shape == (8, want)
+    _run_pair(model, ref, torch.randn(3, 8), "uneven hidden dim 6 over 4")
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     expect("2-d mesh", lambda: parallelize_module(MLP(), mesh2, {"up": ColwiseParallel()}), "1-d mesh", 'mesh["tp"]')
     # The tp sub-mesh of a 2-d mesh is accepted, and a model on it matches single device.
@@ -336,7 +339,7 @@ def _error_cases():
 
 def test_errors():
     tags = run_on_ranks(4, _error_cases)[0]
-    assert len(tags) == 7, tags
+    assert len(tags) == 4, tags
 
 
 def test_match_submodules_wildcards():

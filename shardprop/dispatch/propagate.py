@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from shardprop.dispatch import registry
+from shardprop.dispatch import out_targets, registry
 from shardprop.dispatch.op_schema import (
     COMPLEX,
     FLOAT,
@@ -434,8 +434,11 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool 
         if j >= len(out_pl) or out_pl[j] is None or any(p is None for p in out_pl[j]):
             raise ShardingError(f"{where}: gives no placement for output {j}")
         out_specs.append(DTensorSpec(mesh, _normalize_out(out_pl[j], len(meta.shape), where), meta))
-    if returns == "out" and check_out:  # the rule checker asks first, then makes out= match
-        out_specs = _check_out(schema, out_specs, where)
+    local_call = registry.LOCAL_CALLS.get(op)
+    if returns == "out" and check_out:  # the rule checker asks with check_out=False, then makes out= match
+        moved = _check_out(schema, out_specs, where)
+        if moved is not None:  # out= laid out otherwise: computed as the result, then redistributed into out
+            local_call = out_targets.writer(moved[0], moved[1], local_call)
     if (self_fixed and out_specs and out_specs[0] is not None and out_specs[0].placements != ctx.specs[0].placements
             and out_specs[0].placements != in_specs[0].placements):  # equal: a Partial target reduced in place
         raise ShardingError(f"{op}: in-place op would change its target from {list(ctx.specs[0].placements)} "
@@ -443,7 +446,7 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool 
     if getattr(op, "is_view", False) and returns in ("tensor", "list"):  # the dispatcher wraps views with care (inference mode)
         returns = "view" if returns == "tensor" else "view_list"
     return OutputSharding(tuple(out_specs), in_specs, plans, any(p is not None for p in plans), returns,
-                          candidates, registry.LOCAL_CALLS.get(op))
+                          candidates, local_call)
 
 
 def _normalize_out(placements, ndim: int, where: str) -> tuple:
@@ -458,16 +461,30 @@ def _normalize_out(placements, ndim: int, where: str) -> tuple:
 
 
 def _check_out(schema: OpSchema, out_specs, where):
+    """None if every out= target is laid out as the result; else (names, target specs) to redistribute into.
+
+    A target of another global shape (torch would resize it), or a list of targets, is refused.
+    """
     kw = dict(schema.kwargs)
+    names = written_kwargs(schema.op)
     given = []
-    for name in written_kwargs(schema.op):
+    for name in names:
         v = kw.get(name)
         given.extend(v if type(v) is tuple else (v,))
+    differs = False
     for g, s in zip(given, out_specs):
         if type(g) is DTensorSpec and s is not None and g.placements != s.placements:
-            raise ShardingError(f"{schema.op}: the out= DTensor is {list(g.placements)} but the result is "
-                                f"{list(s.placements)}; redistribute out first")
-    return out_specs
+            if g.shape != s.shape or len(given) != len(names):
+                raise ShardingError(f"{schema.op}: the out= DTensor is {list(g.placements)} of shape "
+                                    f"{tuple(g.shape)} but the result is {list(s.placements)} of shape "
+                                    f"{tuple(s.shape)}; give out= the result's shape")
+            differs = True
+    if not differs:
+        return None
+    if not all(type(g) is DTensorSpec for g in given):
+        raise ShardingError(f"{schema.op}: out= mixes DTensors and other values; give DTensors laid out as the "
+                            f"result")
+    return tuple(names), tuple(given)
 
 
 _cache_size = int(os.environ.get("SHARDPROP_CACHE_SIZE", "65536"))

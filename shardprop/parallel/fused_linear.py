@@ -167,12 +167,17 @@ class _Relayout(torch.autograd.Function):
         return redistribute_local(grad, spec, dst), None, None, None, None
 
 
-def _spec_of_local(local: torch.Tensor, mesh, placements):
-    """The spec of a plain tensor taken as this rank's piece of ``placements`` (even shards, like from_local)."""
+def _spec_of_local(local: torch.Tensor, mesh, placements, size=None):
+    """The spec of a plain tensor taken as this rank's piece of ``placements``.
+
+    ``size`` is the global size of the sharded dim where the caller knows it (a column-parallel
+    output's features: the weight's rows, split unevenly in torch.chunk order); without it the
+    pieces are taken to be even, as ``DTensor.from_local`` takes them.
+    """
     shape = list(local.shape)
     p = placements[0]
     if type(p) is Shard:
-        shape[p.dim] *= mesh.size()
+        shape[p.dim] = shape[p.dim] * mesh.size() if size is None else size
     return make_spec(mesh, placements, shape, None, local.dtype)
 
 
@@ -246,7 +251,7 @@ class FusedLinear:
         w = _param_local(w, w._spec)
         if self.colwise:
             y = F.linear(xl, w, None if b is None else _param_local(b, b._spec))
-            return self._output(y, last, out, None)
+            return self._output(y, last, out, None, module.weight._spec.shape[0])
         return self._output(F.linear(xl, w), _P, out, b)
 
     def forward_embedding(self, module, input):  # noqa: A002 (nn.Embedding.forward's name)
@@ -270,10 +275,15 @@ class FusedLinear:
         ndim = x.ndim + 1
         out = self.placements(self.out_layout, ndim)
         if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
-            return self._output(F.embedding(x, wl), self.placements(Shard(-1), ndim), out, None)
+            return self._output(F.embedding(x, wl), self.placements(Shard(-1), ndim), out, None, w._spec.shape[1])
         lo, rows = self._rows(w)  # the vocabulary is sharded: look up the ids this rank holds, zeros elsewhere
-        outside = (x < lo) | (x >= lo + rows)
-        y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
+        if rows == 0:
+            # An empty trailing shard (a vocabulary tp does not divide): no id is here. Zeros that still
+            # depend on the (empty) local weight, so its gradient is an empty tensor as on the other path.
+            y = torch.zeros(x.shape + (wl.shape[1],), dtype=wl.dtype, device=wl.device) + wl.sum(0)
+        else:
+            outside = (x < lo) | (x >= lo + rows)
+            y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
         return self._output(y, _P, out, None)
 
 
@@ -287,13 +297,15 @@ class FusedLinear:
             got = self._rows_of[spec] = (offset[0], shape[0])
         return got
 
-    def _output(self, y, have: tuple, out: tuple, b):
-        """The local result ``y`` (laid out as ``have``) in the declared output layout, plus a replicated bias."""
+    def _output(self, y, have: tuple, out: tuple, b, features=None):
+        """The local result ``y`` (laid out as ``have``) in the declared output layout, plus a replicated bias.
+
+        ``features``: the global size of a column-parallel output's feature dim (the weight's), which
+        tp need not divide; a partial sum has the global shape already.
+        """
         mesh = self.mesh
-        # The global shape: a column-parallel output's feature dim is split evenly (checked when the
-        # style was applied); a partial sum has the global shape already.
         spec = None if out == have and self.use_local else \
-            make_spec(mesh, have, y.shape, None, y.dtype) if have is _P else _spec_of_local(y, mesh, have)
+            make_spec(mesh, have, y.shape, None, y.dtype) if have is _P else _spec_of_local(y, mesh, have, features)
         if out != have:
             if have is _P and out == _R and y.is_contiguous():
                 y = _reduce_out(y, mesh)

@@ -15,7 +15,7 @@ from torch import nn
 
 from shardprop.mesh.device_mesh import mesh_or_current
 
-from shardprop.parallel.styles import ParallelStyle, distribute_params, replicated
+from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params, replicated
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Replicate
 
@@ -110,9 +110,9 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
     None for each rank's own weights, cut locally.
 
     As torch's does, it warns and does nothing for a missing plan, and warns and skips a key that
-    matches no submodule; with ``strict=True`` both raise (TypeError, ValueError). Raises ValueError
-    for a style on a module type it does not support, or a weight dim that a style shards but the
-    mesh size does not divide.
+    matches no submodule; with ``strict=True`` both raise (TypeError, ValueError), and so does a weight
+    dim a style shards unevenly (by default uneven dims are split in ``torch.chunk`` order, as torch's).
+    Raises ValueError for a style on a module type it does not support.
 
     Example (a Llama-style model, plain tensor parallelism; attention and MLP each do one
     all-reduce forward and one backward; each rank runs n_heads // tp heads, so the model must
@@ -166,6 +166,7 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
                          f"{mesh}; pass the tensor-parallel sub-mesh, e.g. {hint}")
     if isinstance(parallelize_plan, ParallelStyle):
         parallelize_plan.src_data_rank = src_data_rank  # the style's attribute, as torch's styles carry it
+        _check_even(strict, parallelize_plan, module, mesh, "")
         return _distributed(parallelize_plan._apply(module, mesh, ""))
     if not isinstance(parallelize_plan, dict):
         raise TypeError(f"parallelize_module: the plan must be a ParallelStyle or a dict of name -> style, "
@@ -175,6 +176,7 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
             raise TypeError(f"parallelize_module: plan key {key!r} maps to {style!r}, which is not a ParallelStyle")
         style.src_data_rank = src_data_rank
         if key == "":
+            _check_even(strict, style, module, mesh, "")
             style._apply(module, mesh, "")
             continue
         matches = match_submodules(module, key)
@@ -186,8 +188,15 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
             warnings.warn(msg + "; skipping it (pass strict=True to raise instead)", stacklevel=2)
             continue
         for name, sub in matches:
+            _check_even(strict, style, sub, mesh, name)
             style._apply(sub, mesh, name)
     return _distributed(module)
+
+
+def _check_even(strict: bool, style, module, mesh, name: str) -> None:
+    """With ``strict``, a dim the style would shard unevenly (torch.chunk order otherwise) is a ValueError."""
+    if strict and hasattr(style, "sharded_dims"):
+        check_divisible(style, module, mesh, name)
 
 
 __all__ = ["distribute_module", "parallelize_module", "match_submodules"]

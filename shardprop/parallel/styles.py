@@ -16,6 +16,13 @@ Plain-tensor inputs are taken to be this rank's piece of the declared input layo
 (``DTensor.from_local``, no check) and then redistributed to the layout the style needs;
 DTensor inputs are redistributed directly. Everything is differentiable.
 
+A sharded dim that tp does not divide is split in ``torch.chunk`` order (10 over 4: 3, 3, 3, 1;
+trailing ranks may be empty), as torch does; ``check_divisible`` is the old error, for a strict
+mode. A plain input piece is taken to be an even share (torch's ``from_local`` does the same),
+except a Linear's feature dim, whose global size is the weight's: so a Colwise -> Rowwise pair
+with an uneven hidden dim works through plain local tensors. An uneven sequence needs DTensors
+between the styles (``use_local_output=False``), which carry the global shape.
+
 Example (a Megatron-style MLP: one all-reduce forward, one backward)::
 
     >>> plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}  # doctest: +SKIP
@@ -54,19 +61,27 @@ def _normalized(layout: Placement, ndim: int) -> tuple:
     return normalize_placements((layout,), ndim, 1, "parallel style")
 
 
-def to_dtensor(x, mesh, layout: Placement, desired: Optional[Placement]):
+def to_dtensor(x, mesh, layout: Placement, desired: Optional[Placement], last_size: Optional[int] = None):
     """``x`` as a DTensor laid out as ``desired``: plain tensors are this rank's piece of ``layout``.
 
-    Non-tensors pass through unchanged. ``desired=None`` keeps the layout as is.
+    Non-tensors pass through unchanged. ``desired=None`` keeps the layout as is. A plain piece is
+    taken to be an even share (as ``DTensor.from_local`` takes it), except that ``last_size``, where
+    given, is the global size of the last dim (a Linear's ``in_features``): a piece of a feature dim
+    that tp does not divide, in torch.chunk order, then gets the right global shape.
 
     Example:
         >>> to_dtensor(torch.ones(2, 4), mesh, Shard(0), Replicate()).shape  # 4 ranks  # doctest: +SKIP
         torch.Size([8, 4])
+        >>> to_dtensor(torch.ones(2, 3), mesh, Shard(-1), None, last_size=10).shape  # pieces 3, 3, 3, 1  # doctest: +SKIP
+        torch.Size([2, 10])
     """
     if not isinstance(x, torch.Tensor):
         return x
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+        shape = None
+        if last_size is not None and type(layout) is Shard and layout.dim in (-1, x.ndim - 1):
+            shape = x.shape[:-1] + (last_size,)
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False, shape=shape)
     if desired is not None:
         want = _placements_of(desired, x.ndim)
         # Under torch.compile the layout is not read here (the graph cannot hold placements):
@@ -116,15 +131,25 @@ def distribute_params(module: nn.Module, mesh, placement_of, src_data_rank: Opti
         module.register_parameter(name, param)
 
 
-def check_divisible(module_name: str, module: nn.Module, style: str, param: str, dim: int, mesh) -> None:
-    """Raise a ValueError naming the module, style, parameter and sizes if ``dim`` does not split evenly."""
-    size = getattr(module, param).shape[dim]
+def check_divisible(style: "ParallelStyle", module: nn.Module, mesh, module_name: str = "") -> None:
+    """Raise a ValueError naming the module, style, parameter and sizes if ``style`` would shard a parameter
+    of ``module`` unevenly over ``mesh``.
+
+    Uneven pieces are not an error by default (torch.chunk order, as torch lays them out); this is the
+    check for a strict mode to call before ``style._apply``.
+
+    Example:
+        >>> check_divisible(ColwiseParallel(), nn.Linear(16, 10), mesh_of_4, "up")  # doctest: +SKIP
+        ValueError: parallelize_module: ColwiseParallel on 'up' (Linear) shards weight dim 0 of size 10 ...
+    """
     n = mesh.size()
-    if size % n:
-        raise ValueError(
-            f"parallelize_module: {style} on {module_name!r} ({type(module).__name__}) shards {param} dim {dim} "
-            f"of size {size} over a mesh of size {n}, which does not divide it; the style needs equal shards "
-            f"(pick sizes divisible by {n}, or a different style for this module)")
+    for param, dim in style.sharded_dims(module):
+        size = getattr(module, param).shape[dim]
+        if size % n:
+            raise ValueError(
+                f"parallelize_module: {type(style).__name__} on {module_name!r} ({type(module).__name__}) shards "
+                f"{param} dim {dim} of size {size} over a mesh of size {n}, which does not divide it (strict mode "
+                f"wants equal shards: pick sizes divisible by {n}, or leave strict mode for torch.chunk pieces)")
 
 
 def _unsupported(style: str, module_name: str, module: nn.Module, supported: str) -> ValueError:
@@ -148,6 +173,10 @@ class ParallelStyle:
     def _apply(self, module: nn.Module, mesh, name: str = "") -> nn.Module:
         raise NotImplementedError
 
+    def sharded_dims(self, module: nn.Module) -> tuple:
+        """``(parameter name, dim)`` of each parameter of ``module`` this style shards (see ``check_divisible``)."""
+        return ()
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
@@ -166,20 +195,28 @@ class _LinearStyle(ParallelStyle):
     def _layouts(self, kind: str):
         raise NotImplementedError
 
+    def sharded_dims(self, module):
+        kind = _kind(module)
+        if kind is None:
+            return ()
+        return tuple((name, p.dim) for name, p in self._layouts(kind)[0].items()
+                     if type(p) is Shard and getattr(module, name, None) is not None)
+
     def _apply(self, module, mesh, name=""):
         style = type(self).__name__
-        kind = "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else None
+        kind = _kind(module)
         if kind is None:
             raise _unsupported(style, name, module, "nn.Linear and nn.Embedding")
-        params, in_default, desired_in, out_default, even = self._layouts(kind)
-        for pname, dim in even:
-            check_divisible(name, module, style, pname, dim, mesh)
+        params, in_default, desired_in, out_default = self._layouts(kind)
         distribute_params(module, mesh, params.get, self.src_data_rank)
         in_layout = self.input_layouts or in_default
         out_layout = self.output_layouts or out_default
         use_local = self.use_local_output
+        # A Linear's input features are the weight's columns: a plain input piece of them (a column-parallel
+        # output before a row-parallel layer) gets its global size from there, even where tp does not divide it.
+        in_features = module.weight.shape[1] if kind == "linear" else None
         # Hooks are partials of module-level functions, so torch.save(model) can pickle them.
-        pre = functools.partial(_linear_pre, mesh, in_layout, desired_in)
+        pre = functools.partial(_linear_pre, mesh, in_layout, desired_in, in_features)
         post = functools.partial(_linear_post, mesh, out_layout, use_local)
         # Eager: local matmul / lookup plus explicit collectives (fused_linear); this DTensor path is
         # kept for torch.compile and for layouts the fast path does not cover.
@@ -193,8 +230,12 @@ class _LinearStyle(ParallelStyle):
         return module
 
 
-def _linear_pre(mesh, in_layout, desired_in, mod, inputs):
-    return (to_dtensor(inputs[0], mesh, in_layout, desired_in),) + tuple(inputs[1:])
+def _kind(module) -> Optional[str]:
+    return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else None
+
+
+def _linear_pre(mesh, in_layout, desired_in, in_features, mod, inputs):
+    return (to_dtensor(inputs[0], mesh, in_layout, desired_in, in_features),) + tuple(inputs[1:])
 
 
 def _linear_post(mesh, out_layout, use_local, mod, inputs, output):
@@ -224,8 +265,8 @@ class ColwiseParallel(_LinearStyle):
 
     def _layouts(self, kind):
         if kind == "linear":
-            return {"weight": Shard(0), "bias": Shard(0)}, R, R, Shard(-1), (("weight", 0),)
-        return {"weight": Shard(1)}, R, R, Shard(-1), (("weight", 1),)
+            return {"weight": Shard(0), "bias": Shard(0)}, R, R, Shard(-1)
+        return {"weight": Shard(1)}, R, R, Shard(-1)
 
 
 class RowwiseParallel(_LinearStyle):
@@ -247,8 +288,8 @@ class RowwiseParallel(_LinearStyle):
 
     def _layouts(self, kind):
         if kind == "linear":
-            return {"weight": Shard(1), "bias": R}, Shard(-1), Shard(-1), R, (("weight", 1),)
-        return {"weight": Shard(0)}, R, R, R, ()  # the masked lookup handles an uneven vocabulary
+            return {"weight": Shard(1), "bias": R}, Shard(-1), Shard(-1), R
+        return {"weight": Shard(0)}, R, R, R
 
 
 class SequenceParallel(ParallelStyle):
