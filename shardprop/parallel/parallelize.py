@@ -195,7 +195,7 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
 
 def _check_even(strict: bool, style, module, mesh, name: str) -> None:
     """With ``strict``, a dim the style would shard unevenly (torch.chunk order otherwise) is a ValueError."""
-    if strict and hasattr(style, "sharded_dims"):
+    if strict and mesh.ndim == 1 and hasattr(style, "sharded_dims"):  # n-d styles check their own layouts
         check_divisible(style, module, mesh, name)
 
 

@@ -137,10 +137,14 @@ class ExpertParallel(ParallelStyle):
         >>> out = moe(x_of_this_rank)  # the experts run on this rank's 8 / 4 experts  # doctest: +SKIP
     """
 
+    def sharded_dims(self, module: nn.Module):
+        """Every parameter of the experts module is split on its expert dim (0)."""
+        return tuple((pname, 0) for pname, _ in module.named_parameters(recurse=False))
+
     def _apply(self, module: nn.Module, mesh, name: str = "") -> nn.Module:
         num_experts = _experts(module, name)
-        for pname, _ in module.named_parameters(recurse=False):
-            check_divisible(name, module, "ExpertParallel", pname, 0, mesh)
+        # Always, not only in strict mode: routing needs the same number of experts on every rank.
+        check_divisible(self, module, mesh, name)
         distribute_params(module, mesh, lambda _: Shard(0), self.src_data_rank)
         return _install(module, _Layout(mesh, 0, None, num_experts, name or type(module).__name__))
 
