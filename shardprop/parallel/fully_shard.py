@@ -190,6 +190,24 @@ def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
     return parent, parent.mesh_dim_names.index(dp_name), tp_pl, dim
 
 
+def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int) -> None:
+    """``shard_placement_fn`` on a DTensor parameter may only name the dim dp splits anyway.
+
+    Why: torchtitan passes ``lambda p: Shard(1)`` for experts already ``Shard(0)`` over ep; that
+    is exactly the layout chosen here, so it is accepted; any other dim would need a placement
+    shardprop does not have (strided shards), and is refused.
+    """
+    pl = fn(p) if fn is not None else None
+    if pl is None:
+        return
+    d = pl.dim + p.ndim if type(pl) is Shard and pl.dim < 0 else getattr(pl, "dim", None)
+    if type(pl) is not Shard or d != sdim:
+        fixed = "none (it stays whole over dp)" if sdim == REPLICATED else f"Shard({sdim})"
+        raise NotImplementedError(f"fully_shard: shard_placement_fn returned {pl!r} for the DTensor parameter "
+                                  f"{fqn!r}; beside its {p._spec.placements} on {p._spec.mesh} the dp dim's tensor "
+                                  f"dim is fixed: {fixed}")
+
+
 def _compute_device(mesh, offload: bool, first):
     """Where the full parameters live: the parameters' device, or the mesh's accelerator when offloading."""
     if not offload or mesh.device_type == "cpu":
@@ -258,10 +276,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bo
         if p.ndim == 0:
             raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
         if isinstance(p, DTensor):
-            if shard_placement_fn is not None and shard_placement_fn(p) is not None:
-                raise NotImplementedError(f"fully_shard: shard_placement_fn on the DTensor parameter {fqn!r}: "
-                                          f"beside tensor parallelism the dp dim's tensor dim is fixed")
             parent, dp_at, tp_pl, sdim = _two_d_layout(fqn, p, dp_mesh)
+            _check_fixed_dim(shard_placement_fn, fqn, p, sdim)
             local = p._local_tensor.detach()
             if sdim > 0 and local.shape[sdim] % D:
                 raise NotImplementedError(f"fully_shard: parameter {fqn!r}: its tp-local dim {sdim} "
