@@ -345,6 +345,11 @@ def _cases_on(shape, sizes, names):
                     notes.append(f"{where}: torch's optimizer step fails: {e}")
                     theirs = e.rec
                 except Exception as e:  # noqa: BLE001
+                    if "view size is not compatible" in str(e):
+                        # torch 2.11's DTensor fails uneven sequence-sharded outputs this way (2.13 and 2.15
+                        # run them); ours is still checked against one process above.
+                        notes.append(f"{where}: torch fails: {e}")
+                        continue
                     errors.append(f"{where} torch: {type(e).__name__}: {e} at {_last_frames()}")
                     continue
                 _compare(errors, f"{where} vs torch:", fast, theirs, ATOL, layouts=functools.partial(_torch_layouts, ref_mesh.size()))
