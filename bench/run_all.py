@@ -32,6 +32,8 @@ BENCHMARKS = {
     "dispatch_census": "dispatch_census.py",
     "checkpoint": "checkpoint.py",
     "fsdp": "fsdp.py",
+    "recipes": "recipes.py",
+    "moe": "moe.py",
     "workflows": "workflows.py",
 }
 
