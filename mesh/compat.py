@@ -142,6 +142,16 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # One call that splits many sub-groups off the default communicator (NCCL); None where absent.
 split_group = getattr(dist, "split_group", None)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpoint recomputation runs inside one).
+
+    Example:
+        >>> in_backward()
+        False
+    """
+    return torch._C._current_graph_task_id() != -1
 # torch's count of the references to a storage (private; None where absent: never guess "sole owner").
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 

@@ -224,7 +224,7 @@ class _RecomputeInMode:
             self._entered.pop()[1].__exit__(None, None, None)
 
     def _pre(self, module, args):
-        if torch._C._current_graph_task_id() == -1 or self._entered:
+        if not compat.in_backward() or self._entered:
             return None  # not in backward, or the mode is already back on
         mode = _ContextParallelMode(self.mesh, self.balanced)
         mode.__enter__()

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from shardprop.mesh.compat import in_backward
 from shardprop.parallel.fsdp_unit import FSDPUnit
 from shardprop.tensor.compile_support import when_dynamo_loads
 from shardprop.tensor.dtensor import DTensor
@@ -138,7 +139,7 @@ def post_forward(module, args, kwargs, output):
 def _pre_forward(module, args, kwargs):
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
-    if _in_backward():  # an activation-checkpoint recomputation: compute with the full parameters again
+    if in_backward():  # an activation-checkpoint recomputation: compute with the full parameters again
         unit.wait_unsharded()
         unit.swap_in()
         return _cast_inputs(unit, args, kwargs)
@@ -166,7 +167,7 @@ def _pre_forward(module, args, kwargs):
 def _post_forward(module, args, kwargs, output):
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
-    if _in_backward():  # a recomputation: backward keeps the parameters until the unit's gradients are in
+    if in_backward():  # a recomputation: backward keeps the parameters until the unit's gradients are in
         return _cast_output(unit, output)
     state = _active_root
     unit.swap_out()
@@ -208,11 +209,6 @@ def _cast_output(unit: FSDPUnit, output):
     if dt is not None:
         output = tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, output)
     return output
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a recomputation runs inside one)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _when_inputs_done(unit: FSDPUnit, args, kwargs) -> None:
