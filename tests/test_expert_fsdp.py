@@ -53,7 +53,7 @@ def _dim1(param):
     return Shard(1)
 
 
-def _build(ac, shard_placement=None):
+def _build(ac, shard_placement=None, compiled=False):
     """(one-process reference, the ep2 x dp2 copy, the 2x2 mesh) on this rank."""
     from shardprop import ExpertParallel, fully_shard, init_device_mesh, parallelize_module
     shard_placement = {None: None, "dim1": _dim1}[shard_placement]
@@ -69,12 +69,14 @@ def _build(ac, shard_placement=None):
         fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=shard_placement)
         layer.experts.set_gradient_divide_factor(dp.size())
         fully_shard(layer, mesh=dp)
+        if compiled:  # torchtitan's order: each block compiled in place, after sharding
+            layer.compile()
     fully_shard(model, mesh=dp)
     return ref, model, mesh
 
 
-def _train(ac=False, shard_placement=None):
-    ref, model, mesh = _build(ac, shard_placement)
+def _train(ac=False, shard_placement=None, compiled=False):
+    ref, model, mesh = _build(ac, shard_placement, compiled)
     me = dist.get_rank()
     layouts = {n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()}
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -105,10 +107,11 @@ def _train(ac=False, shard_placement=None):
     return losses, ref_losses, errors, layouts, me
 
 
-@pytest.mark.parametrize("ac,placement", [(False, None), (True, None), (False, "dim1")],
-                         ids=["plain", "checkpointed", "shard_placement_fn-dim1"])
-def test_experts_fully_sharded_over_efsdp_train_like_one_process(ac, placement):
-    for losses, ref_losses, errors, layouts, me in run_on_ranks(4, _train, ac, placement):
+@pytest.mark.parametrize("ac,placement,compiled", [(False, None, False), (True, None, False), (False, "dim1", False),
+                                                  (True, None, True)],
+                         ids=["plain", "checkpointed", "shard_placement_fn-dim1", "checkpointed-compiled"])
+def test_experts_fully_sharded_over_efsdp_train_like_one_process(ac, placement, compiled):
+    for losses, ref_losses, errors, layouts, me in run_on_ranks(4, _train, ac, placement, compiled):
         assert not errors, "\n".join(errors)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=ATOL, rtol=ATOL)
         # Experts: Shard(0) on ep (8 / 2 = 4 experts), then dp splits dim 1 over efsdp ([S(1), S(0)]

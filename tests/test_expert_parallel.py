@@ -6,7 +6,7 @@ The parallel copy has its experts sharded over ep=4 and each rank runs its quart
 batch (ExpertTensorParallel: ep=2 x tp=2, each expert's hidden dim split over tp, the two tp
 ranks of an ep index running the same half). Losses, the input's and the experts' gradients,
 the other parameters' gradients (summed over ep, as data parallelism would) and the parameters
-after 3 AdamW steps must agree, also under activation checkpointing. Routing alone is checked against every rank's tokens, with random counts
+after 3 AdamW steps must agree, also under activation checkpointing and torch.compile. Routing alone is checked against every rank's tokens, with random counts
 (zeros included); bad counts on one rank raise the same error on every rank within seconds.
 """
 import copy
@@ -33,7 +33,7 @@ def _loss(out, tgt, total):
     return ((out - tgt) ** 2).sum() / total
 
 
-def _train(steps=3, ac=False, etp=False):
+def _train(steps=3, ac=False, etp=False, compiled=False):
     from shardprop import ExpertParallel, ExpertTensorParallel, Shard, comm_counter, init_device_mesh, parallelize_module
     from shardprop.demo.moe import MoE
     torch.manual_seed(0)
@@ -67,6 +67,8 @@ def _train(steps=3, ac=False, etp=False):
         assert w1.placements == (Shard(0),) and w1.to_local().shape == (2, 16, 24)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # Compiled: the whole layer; routing's split sizes are data (a graph break where they are read).
+    run = torch.compile(model) if compiled else model
     ref_params = dict(ref.named_parameters())
     counts = []
     for step in range(steps):
@@ -79,9 +81,9 @@ def _train(steps=3, ac=False, etp=False):
         mine = x.chunk(n)[me].clone().requires_grad_()
         with comm_counter() as c:
             if ac:  # the recomputation in backward dispatches again (same counts, same route)
-                out = torch.utils.checkpoint.checkpoint(model, mine, use_reentrant=False)
+                out = torch.utils.checkpoint.checkpoint(run, mine, use_reentrant=False)
             else:
-                out = model(mine)
+                out = run(mine)
             loss = _loss(out, tgt.chunk(n)[me], total)
             fwd = dict(c.counts)
             loss.backward()
@@ -112,10 +114,11 @@ def _train(steps=3, ac=False, etp=False):
     return errors, checked, counts
 
 
-@pytest.mark.parametrize("ac,etp", [(False, False), (True, False), (False, True)],
-                         ids=["ep4", "ep4-checkpointed", "ep2xtp2"])
-def test_expert_parallel_trains_like_one_process(ac, etp):
-    out = run_on_ranks(4, _train, ac=ac, etp=etp)
+@pytest.mark.parametrize("ac,etp,compiled", [(False, False, False), (True, False, False), (False, True, False),
+                                              (True, True, True)],
+                         ids=["ep4", "ep4-checkpointed", "ep2xtp2", "ep2xtp2-checkpointed-compiled"])
+def test_expert_parallel_trains_like_one_process(ac, etp, compiled):
+    out = run_on_ranks(4, _train, ac=ac, etp=etp, compiled=compiled)
     for errors, checked, counts in out:
         assert not errors, "\n".join(errors)
         assert checked == 3 * (2 + 2 * 7)  # loss, input grad, then 7 parameters' gradients and values per step

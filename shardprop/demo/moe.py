@@ -16,11 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardprop.tensor.dtensor import DTensor
+
 __all__ = ["GroupedExperts", "MoE", "SharedExpert", "TopKRouter", "synthetic_batch"]
 
 
 def _local(w):
-    return w.to_local() if hasattr(w, "to_local") else w
+    # isinstance, not hasattr(w, "to_local"): under torch.compile dynamo answers hasattr for a
+    # tensor subclass's own methods with False, and the DTensor would be used whole.
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class GroupedExperts(nn.Module):

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from shardprop.mesh.compat import in_backward
 from shardprop.parallel.fsdp_unit import FSDPUnit
-from shardprop.tensor.compile_support import when_dynamo_loads
+from shardprop.tensor.compile_support import outside_graphs
 from shardprop.tensor.dtensor import DTensor
 
 
@@ -118,25 +118,15 @@ def _cast_inputs(unit: FSDPUnit, args, kwargs):
     return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
+# Both hooks run outside compiled graphs: a compiled module (``block.compile()`` compiles its
+# hooks too) breaks its graph around them and they run eagerly, as torch's fully_shard hooks do.
+@outside_graphs
 def pre_forward(module, args, kwargs):
     """Forward pre-hook of a unit: gather (waiting for a prefetch), prefetch the next, swap in.
 
     Example:
         >>> module.register_forward_pre_hook(pre_forward, with_kwargs=True)  # doctest: +SKIP
     """
-    return _eager["pre"](module, args, kwargs)
-
-
-def post_forward(module, args, kwargs, output):
-    """Forward hook of a unit: swap the sharded parameters back, reshard, arm the backward hook.
-
-    Example:
-        >>> module.register_forward_hook(post_forward, with_kwargs=True)  # doctest: +SKIP
-    """
-    return _eager["post"](module, args, kwargs, output)
-
-
-def _pre_forward(module, args, kwargs):
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
     if in_backward():  # an activation-checkpoint recomputation: compute with the full parameters again
@@ -164,7 +154,13 @@ def _pre_forward(module, args, kwargs):
     return _cast_inputs(unit, args, kwargs)
 
 
-def _post_forward(module, args, kwargs, output):
+@outside_graphs
+def post_forward(module, args, kwargs, output):
+    """Forward hook of a unit: swap the sharded parameters back, reshard, arm the backward hook.
+
+    Example:
+        >>> module.register_forward_hook(post_forward, with_kwargs=True)  # doctest: +SKIP
+    """
     global _active_root
     unit: FSDPUnit = module._fsdp_unit
     if in_backward():  # a recomputation: backward keeps the parameters until the unit's gradients are in
@@ -191,17 +187,6 @@ def _post_forward(module, args, kwargs, output):
     return _cast_output(unit, output)
 
 
-# The hooks' bodies. Once dynamo is loaded they run under ``torch._dynamo.disable``: a compiled
-# module (``block.compile()`` compiles its hooks too) breaks its graph around them and they run
-# eagerly, as torch's fully_shard hooks do. Filled here, by this module, never from outside.
-_eager = {"pre": _pre_forward, "post": _post_forward}
-
-
-def _disable_in_dynamo(dynamo) -> None:
-    _eager.update(pre=dynamo.disable(_pre_forward), post=dynamo.disable(_post_forward))
-
-
-when_dynamo_loads(_disable_in_dynamo, "running fully_shard's module hooks outside compiled graphs")
 
 
 def _cast_output(unit: FSDPUnit, output):

@@ -27,6 +27,7 @@ naming what failed on this torch (``DTensor.__tensor_flatten__`` calls :func:`ch
 """
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -110,6 +111,36 @@ def when_dynamo_loads(fn: Callable, what: str = "") -> None:
     _pending.append((fn, what))
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+
+
+def outside_graphs(fn: Callable) -> Callable:
+    """``fn``, run eagerly when a compiled caller reaches it (``torch._dynamo.disable`` once dynamo loads).
+
+    For module hooks whose work is data-dependent host logic and collectives (MoE token routing:
+    split sizes read with ``.tolist()``): the compiled graph breaks around them and they run as
+    in eager mode, as torch's own fully_shard hooks do. Before dynamo loads it is ``fn`` itself.
+
+    Example:
+        >>> hook = outside_graphs(lambda module, args: None)
+        >>> hook(None, ()) is None
+        True
+    """
+    impl = [fn]
+
+    def disable(dynamo) -> None:
+        impl[0] = dynamo.disable(fn)
+        # The wrapper's own frame, entered again after the graph break, is not worth compiling
+        # (dynamo would recompile it per argument count until its limit, with warnings).
+        skip = getattr(getattr(dynamo, "eval_frame", None), "skip_code", None)
+        if skip is not None:
+            skip(call.__code__)
+
+    when_dynamo_loads(disable, f"running {getattr(fn, '__qualname__', fn)!s} outside compiled graphs")
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return impl[0](*args, **kwargs)
+    return call
 
 
 def _run_pending(module) -> None:

@@ -22,6 +22,7 @@ from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.dispatch import fast_paths
 from shardprop.parallel.ep import routing, tensor_parallel
 from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params
+from shardprop.tensor.compile_support import outside_graphs
 from shardprop.tensor.placement import Replicate, Shard
 
 
@@ -63,6 +64,9 @@ class _Layout:
         self.routes = _Routes()
 
 
+# Routing reads split sizes on the host and runs collectives: under torch.compile the graph
+# breaks around both hooks and they run eagerly.
+@outside_graphs
 def _dispatch_hook(lay, module, args, kwargs):
     x, counts = _inputs(args, kwargs)
     dispatch = functools.partial(routing.dispatch, width=_width(module))
@@ -93,6 +97,7 @@ def _inputs(args, kwargs):
     return x, counts
 
 
+@outside_graphs
 def _combine_hook(lay, module, args, kwargs, output):
     route = lay.routes.stack.pop()
     if lay.tp is not None:  # each tp rank computed its slice of the hidden dim: partial sums
