@@ -21,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -152,6 +153,30 @@ def in_backward() -> bool:
         False
     """
     return torch._C._current_graph_task_id() != -1
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, traced: bool = False) -> bool:
+    """Whether ``torch._grouped_mm`` runs here: on ``device_type`` in ``dtype``, or (``traced``) on meta
+    tensors, as torch.compile's fake tensors need (2.11's meta kernel takes bf16 only; 2.15's any dtype).
+
+    Example:
+        >>> isinstance(grouped_mm_runs("cpu", torch.float32), bool)
+        True
+    """
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None or (device_type == "cuda" and not torch.cuda.is_available()):
+        return False
+    device = "meta" if traced else device_type
+    try:
+        a = torch.zeros(4, 8, dtype=dtype, device=device)
+        b = torch.zeros(2, 8, 8, dtype=dtype, device=device)
+        fn(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
+        return True
+    except Exception:  # any refusal (dtype, device, alignment, missing kernel) means: use the loop
+        return False
+
+
 # torch's count of the references to a storage (private; None where absent: never guess "sole owner").
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 

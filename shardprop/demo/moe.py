@@ -3,8 +3,8 @@
 Router: a linear gate, softmax scores, top-k experts per token. Routed experts: a module
 with torchtitan's ``GroupedExperts`` contract (stacked ``w1``/``w3`` ``[experts, dim, hidden]``,
 ``w2`` ``[experts, hidden, dim]``, ``forward(x, num_tokens_per_expert)`` on tokens sorted by
-expert, weights read through ``.to_local()`` when they are DTensors), computed by a loop over
-its experts. One shared expert, a plain SwiGLU MLP, sees every token.
+expert, weights read through ``.to_local()`` when they are DTensors), computed by one
+``torch._grouped_mm`` per weight where it runs on the device and dtype, else by a loop over its experts. One shared expert, a plain SwiGLU MLP, sees every token.
 
 Example:
     >>> import torch
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardprop.mesh.compat import grouped_mm_runs
 from shardprop.tensor.dtensor import DTensor
 
 __all__ = ["GroupedExperts", "MoE", "SharedExpert", "TopKRouter", "synthetic_batch"]
@@ -35,9 +36,11 @@ class GroupedExperts(nn.Module):
         torch.Size([3, 4])
     """
 
-    def __init__(self, dim, hidden, num_experts):
+    def __init__(self, dim, hidden, num_experts, grouped_mm=None):
         super().__init__()
         self.num_experts = num_experts
+        # None: torch._grouped_mm where it runs on the weights' device and dtype, else a loop.
+        self.grouped_mm = grouped_mm
         self.w1 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
         self.w2 = nn.Parameter(torch.randn(num_experts, hidden, dim) / hidden ** 0.5)
         self.w3 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
@@ -46,9 +49,21 @@ class GroupedExperts(nn.Module):
         # Under expert parallelism the local pieces: this rank's experts and the tokens routed to them.
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         assert num_tokens_per_expert.shape[0] == w1.shape[0], (num_tokens_per_expert.shape, w1.shape)
+        if self._use_grouped_mm(x, w1, w2):
+            # One kernel for all experts: groups of rows cut at the running token counts.
+            offs = torch.cumsum(num_tokens_per_expert, 0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+            return torch._grouped_mm(h, w2, offs=offs)
         outs = [(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]
                 for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist()))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+    def _use_grouped_mm(self, x, w1, w2) -> bool:
+        if self.grouped_mm is not None:
+            return self.grouped_mm
+        # Its kernels want 16-byte-aligned rows: the widths must be multiples of 16 bytes.
+        aligned = all((n * x.element_size()) % 16 == 0 for n in (x.shape[-1], w1.shape[-1], w2.shape[-1]))
+        return aligned and grouped_mm_runs(x.device.type, x.dtype, torch.compiler.is_compiling())
 
 
 class TopKRouter(nn.Module):

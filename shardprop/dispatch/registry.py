@@ -26,6 +26,10 @@ _BUILTIN: Dict[object, "Rule"] = {}
 # masked lookup on a vocab shard). Chosen once per schema, at propagation.
 LOCAL_CALLS: Dict[object, Callable] = {}
 _USER: Dict[object, "Rule"] = {}
+# op -> fn(*meta_args, **meta_kwargs): the op's outputs on meta tensors, for ops whose own meta
+# kernel is stricter than their device kernels (_grouped_mm's meta accepts bf16 only, its CPU
+# kernel float32 too). Used by propagation to infer output shapes.
+OUTPUT_METAS: Dict[object, Callable] = {}
 _listeners = []  # called when rules change (the propagation cache clears itself)
 
 
@@ -74,6 +78,17 @@ def register_local_call(op, fn: Callable) -> None:
     """
     for o in _overloads(op):
         LOCAL_CALLS[o] = fn
+    _changed()
+
+
+def register_output_meta(op, fn: Callable) -> None:
+    """Infer ``op``'s output shapes with ``fn`` on meta tensors instead of the op's own meta kernel.
+
+    Example:
+        >>> register_output_meta(aten._grouped_mm.default, grouped_mm_meta)  # doctest: +SKIP
+    """
+    for o in _overloads(op):
+        OUTPUT_METAS[o] = fn
     _changed()
 
 
