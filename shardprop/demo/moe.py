@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.mesh.compat import grouped_mm_runs
-from shardprop.tensor.dtensor import DTensor
+from shardprop import DTensor
 
 __all__ = ["GroupedExperts", "MoE", "SharedExpert", "TopKRouter", "synthetic_batch"]
 
@@ -41,6 +41,9 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         # None: torch._grouped_mm where it runs on the weights' device and dtype, else a loop.
         self.grouped_mm = grouped_mm
+        # Whether compiled code may use it, probed here, eagerly: a probe traced by dynamo would
+        # run on fake tensors (only the dtypes a model is cast to are asked for).
+        self._traced_ok = {dt: grouped_mm_runs("meta", dt, True) for dt in (torch.float32, torch.bfloat16)}
         self.w1 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
         self.w2 = nn.Parameter(torch.randn(num_experts, hidden, dim) / hidden ** 0.5)
         self.w3 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
@@ -63,7 +66,9 @@ class GroupedExperts(nn.Module):
             return self.grouped_mm
         # Its kernels want 16-byte-aligned rows: the widths must be multiples of 16 bytes.
         aligned = all((n * x.element_size()) % 16 == 0 for n in (x.shape[-1], w1.shape[-1], w2.shape[-1]))
-        return aligned and grouped_mm_runs(x.device.type, x.dtype, torch.compiler.is_compiling())
+        if torch.compiler.is_compiling():
+            return aligned and self._traced_ok.get(x.dtype, False)
+        return aligned and grouped_mm_runs(x.device.type, x.dtype)
 
 
 class TopKRouter(nn.Module):
