@@ -33,11 +33,11 @@ def _loss(out, tgt, total):
     return ((out - tgt) ** 2).sum() / total
 
 
-def _train(steps=3, ac=False, etp=False, compiled=False):
+def _train(steps=3, ac=False, etp=False, compiled=False, bias=False):
     from shardprop import ExpertParallel, ExpertTensorParallel, Shard, comm_counter, init_device_mesh, parallelize_module
     from shardprop.demo.moe import MoE
     torch.manual_seed(0)
-    ref = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
+    ref = MoE(dim=16, hidden=24, num_experts=8, top_k=2, expert_bias=bias)
     model = copy.deepcopy(ref)
     if etp:  # ep=2 x tp=2: rank 2 * i + j is ep index i, tp index j; the tp pair holds the same tokens
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
@@ -108,20 +108,29 @@ def _train(steps=3, ac=False, etp=False, compiled=False):
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
+        if bias:  # load balancing: every rank's counts summed, as the one process counts its whole batch
+            ref.router.update_expert_bias(ref.tokens_per_expert, rate=0.05)
+            load = model.tokens_per_expert.clone()
+            dist.all_reduce(load, group=ep_group)
+            model.router.update_expert_bias(load, rate=0.05)
+            close(f"step {step} expert bias", model.router.expert_bias, ref.router.expert_bias)
         for name, p in model.named_parameters():
             got = p.full_tensor() if name.startswith("experts.") else p
             close(f"step {step} param {name}", got, ref_params[name])
     return errors, checked, counts
 
 
-@pytest.mark.parametrize("ac,etp,compiled", [(False, False, False), (True, False, False), (False, True, False),
-                                              (True, True, True)],
-                         ids=["ep4", "ep4-checkpointed", "ep2xtp2", "ep2xtp2-checkpointed-compiled"])
-def test_expert_parallel_trains_like_one_process(ac, etp, compiled):
-    out = run_on_ranks(4, _train, ac=ac, etp=etp, compiled=compiled)
+@pytest.mark.parametrize("ac,etp,compiled,bias", [(False, False, False, False), (True, False, False, False),
+                                                   (False, True, False, False), (True, True, True, False),
+                                                   (False, False, False, True)],
+                         ids=["ep4", "ep4-checkpointed", "ep2xtp2", "ep2xtp2-checkpointed-compiled",
+                              "ep4-expert-bias"])
+def test_expert_parallel_trains_like_one_process(ac, etp, compiled, bias):
+    out = run_on_ranks(4, _train, ac=ac, etp=etp, compiled=compiled, bias=bias)
     for errors, checked, counts in out:
         assert not errors, "\n".join(errors)
-        assert checked == 3 * (2 + 2 * 7)  # loss, input grad, then 7 parameters' gradients and values per step
+        # loss, input grad, then 7 parameters' gradients and values per step (and the router's bias)
+        assert checked == 3 * (2 + 2 * 7 + bias)
         # all-to-alls (forward, forward + backward): counts, tokens there, tokens back; backward: the two
         # token moves inverted (with activation checkpointing, after the forward's three again).
         # all-reduces over tp (ep x tp only): the partial outputs forward, the tokens' gradient backward

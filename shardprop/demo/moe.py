@@ -72,18 +72,43 @@ class GroupedExperts(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """Softmax scores over a linear gate; each token's top-k experts, their scores, and tokens per expert."""
+    """Softmax scores over a linear gate; each token's top-k experts, their scores, and tokens per expert.
 
-    def __init__(self, dim, num_experts, top_k):
+    ``expert_bias=True``: DeepSeek-V3's balancing without an auxiliary loss. A per-expert bias
+    (a buffer, no gradient) is added to the scores for choosing the experts only; the gate
+    weights stay the unbiased scores. :meth:`update_expert_bias` moves it after each step.
+    """
+
+    def __init__(self, dim, num_experts, top_k, expert_bias=False):
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts, self.top_k = num_experts, top_k
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
 
     def forward(self, x):
         scores = torch.softmax(self.gate(x), dim=-1)
-        top_scores, selected = torch.topk(scores, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            top_scores, selected = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            selected = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+            top_scores = scores.gather(-1, selected)
         counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts)
         return top_scores, selected, counts
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert, rate=1e-3):
+        """Raise the bias of experts below the mean load, lower it above (sign update, DeepSeek-V3).
+
+        ``tokens_per_expert``: the step's counts summed over every rank that routes its own tokens
+        (all-reduce them over the data-parallel and ep ranks first), so every rank moves alike.
+
+        Example:
+            >>> r = TopKRouter(4, 3, 1, expert_bias=True)
+            >>> r.update_expert_bias(torch.tensor([5, 1, 0]), rate=0.1); r.expert_bias
+            tensor([-0.1000,  0.1000,  0.1000])
+        """
+        load = tokens_per_expert.to(self.expert_bias.dtype)
+        self.expert_bias += rate * torch.sign(load.mean() - load)
 
 
 class SharedExpert(nn.Module):
@@ -102,10 +127,11 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """Router, routed experts (``experts``, the module expert parallelism shards) and a shared expert."""
 
-    def __init__(self, dim=16, hidden=24, num_experts=8, top_k=2):
+    def __init__(self, dim=16, hidden=24, num_experts=8, top_k=2, expert_bias=False):
         super().__init__()
         self.top_k = top_k
-        self.router = TopKRouter(dim, num_experts, top_k)
+        self.router = TopKRouter(dim, num_experts, top_k, expert_bias)
+        self.tokens_per_expert = None  # the last forward's, for load statistics and the bias update
         self.experts = GroupedExperts(dim, hidden, num_experts)
         self.shared_expert = SharedExpert(dim, hidden)
 
@@ -113,6 +139,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         top_scores, selected, counts = self.router(x)
+        self.tokens_per_expert = counts.detach()
         # Token copies sorted by expert (stable: ties keep token order).
         order = torch.argsort(selected.reshape(-1), stable=True)
         token = order // self.top_k
