@@ -111,7 +111,8 @@ def _train(ac=False, shard_placement=None, compiled=False):
                                                   (True, None, True)],
                          ids=["plain", "checkpointed", "shard_placement_fn-dim1", "checkpointed-compiled"])
 def test_experts_fully_sharded_over_efsdp_train_like_one_process(ac, placement, compiled):
-    for losses, ref_losses, errors, layouts, me in run_on_ranks(4, _train, ac, placement, compiled):
+    for losses, ref_losses, errors, layouts, me in run_on_ranks(4, _train, ac, placement, compiled,
+                                                                timeout=240 if compiled else 60):
         assert not errors, "\n".join(errors)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=ATOL, rtol=ATOL)
         # Experts: Shard(0) on ep (8 / 2 = 4 experts), then dp splits dim 1 over efsdp ([S(1), S(0)]

@@ -126,7 +126,7 @@ def _train(steps=3, ac=False, etp=False, compiled=False, bias=False):
                          ids=["ep4", "ep4-checkpointed", "ep2xtp2", "ep2xtp2-checkpointed-compiled",
                               "ep4-expert-bias"])
 def test_expert_parallel_trains_like_one_process(ac, etp, compiled, bias):
-    out = run_on_ranks(4, _train, ac=ac, etp=etp, compiled=compiled, bias=bias)
+    out = run_on_ranks(4, _train, ac=ac, etp=etp, compiled=compiled, bias=bias, timeout=240 if compiled else 60)
     for errors, checked, counts in out:
         assert not errors, "\n".join(errors)
         # loss, input grad, then 7 parameters' gradients and values per step (and the router's bias)
