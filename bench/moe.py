@@ -7,7 +7,8 @@ Contenders:
 
 * ``floor``: torchtitan's pattern written by hand on plain tensors: one all-to-all of the
   token counts, one uneven all-to-all of the tokens (``dist.all_to_all_single`` with splits),
-  a regroup by local expert, the local expert loop, the inverse regroup and an all-to-all
+  a regroup by local expert, the experts' compute (the demo's: one grouped matmul per weight
+  where it runs, else a loop), the inverse regroup and an all-to-all
   back; backward the two token all-to-alls inverted. Plain ``torch.distributed`` on the
   default gloo group;
 * ``ours``: ``parallelize_module(moe.experts, mesh, ExpertParallel())``, shardprop's
@@ -39,7 +40,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,9 +95,9 @@ class FloorExperts(torch.nn.Module):
         dst_starts = torch.cumsum(sizes, 0) - sizes
         idx = torch.repeat_interleave(starts - dst_starts, sizes) + torch.arange(int(sizes.sum()))
         routed = got[idx]
-        outs = [(F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e]
-                for e, xe in enumerate(torch.split(routed, recv.sum(0).tolist()))]
-        y = torch.cat(outs)
+        # The experts' compute of the demo's module (grouped matmul where it runs, else the loop).
+        from shardprop.demo.moe import expert_swiglu
+        y = expert_swiglu(routed, recv.sum(0), self.w1, self.w2, self.w3)
         # 4. inverse regroup, tokens back.
         back = y.new_zeros(y.shape).index_copy(0, idx, y)
         return _AllToAll.apply(back, recv_splits, send_splits, self.counter)

@@ -116,5 +116,6 @@ def test_demo_experts_kernel_equals_loop():
         results.append((y.detach(), x.grad.clone(), experts.w2.grad.clone()))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    experts.grouped_mm = None  # automatic: the kernel runs here (the module is skipped otherwise)
-    assert experts._use_grouped_mm(x, experts.w1, experts.w2)
+    from shardprop.demo.moe import _grouped_mm_fits
+    assert _grouped_mm_fits(x, experts.w1, experts.w2)  # automatic: the kernel runs here (else skipped)
+    assert not _grouped_mm_fits(torch.randn(3, 6), experts.w1, experts.w2)  # 24-byte rows: the loop

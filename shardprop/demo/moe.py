@@ -19,13 +19,47 @@ from torch import nn
 from shardprop.mesh.compat import grouped_mm_runs
 from shardprop import DTensor
 
-__all__ = ["GroupedExperts", "MoE", "SharedExpert", "TopKRouter", "synthetic_batch"]
+__all__ = ["GroupedExperts", "MoE", "SharedExpert", "TopKRouter", "expert_swiglu", "synthetic_batch"]
 
 
 def _local(w):
     # isinstance, not hasattr(w, "to_local"): under torch.compile dynamo answers hasattr for a
     # tensor subclass's own methods with False, and the DTensor would be used whole.
     return w.to_local() if isinstance(w, DTensor) else w
+
+
+# Whether compiled code may use torch._grouped_mm, per dtype, probed eagerly at import: a probe
+# traced by dynamo would run on fake tensors.
+_TRACED_OK = {dt: grouped_mm_runs("meta", dt, True) for dt in (torch.float32, torch.bfloat16)}
+
+
+def _grouped_mm_fits(x, w1, w2) -> bool:
+    # Its kernels want 16-byte-aligned rows: the widths must be multiples of 16 bytes.
+    aligned = all((n * x.element_size()) % 16 == 0 for n in (x.shape[-1], w1.shape[-1], w2.shape[-1]))
+    if torch.compiler.is_compiling():
+        return aligned and _TRACED_OK.get(x.dtype, False)
+    return aligned and grouped_mm_runs(x.device.type, x.dtype)
+
+
+def expert_swiglu(x, num_tokens_per_expert, w1, w2, w3, grouped_mm=None):
+    """SwiGLU of each expert on its rows of ``x`` (sorted by expert), on plain stacked weights.
+
+    ``grouped_mm``: one ``torch._grouped_mm`` per weight (True), a loop over the experts (False),
+    or the kernel where it runs on this device and dtype (None).
+
+    Example:
+        >>> w = lambda *s: torch.randn(*s)
+        >>> expert_swiglu(w(3, 4), torch.tensor([1, 2]), w(2, 4, 8), w(2, 8, 4), w(2, 4, 8)).shape
+        torch.Size([3, 4])
+    """
+    if grouped_mm if grouped_mm is not None else _grouped_mm_fits(x, w1, w2):
+        # One kernel for all experts: groups of rows cut at the running token counts.
+        offs = torch.cumsum(num_tokens_per_expert, 0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+        return torch._grouped_mm(h, w2, offs=offs)
+    outs = [(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]
+            for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist()))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
 class GroupedExperts(nn.Module):
@@ -39,11 +73,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim, hidden, num_experts, grouped_mm=None):
         super().__init__()
         self.num_experts = num_experts
-        # None: torch._grouped_mm where it runs on the weights' device and dtype, else a loop.
-        self.grouped_mm = grouped_mm
-        # Whether compiled code may use it, probed here, eagerly: a probe traced by dynamo would
-        # run on fake tensors (only the dtypes a model is cast to are asked for).
-        self._traced_ok = {dt: grouped_mm_runs("meta", dt, True) for dt in (torch.float32, torch.bfloat16)}
+        self.grouped_mm = grouped_mm  # see expert_swiglu
         self.w1 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
         self.w2 = nn.Parameter(torch.randn(num_experts, hidden, dim) / hidden ** 0.5)
         self.w3 = nn.Parameter(torch.randn(num_experts, dim, hidden) / dim ** 0.5)
@@ -52,23 +82,7 @@ class GroupedExperts(nn.Module):
         # Under expert parallelism the local pieces: this rank's experts and the tokens routed to them.
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         assert num_tokens_per_expert.shape[0] == w1.shape[0], (num_tokens_per_expert.shape, w1.shape)
-        if self._use_grouped_mm(x, w1, w2):
-            # One kernel for all experts: groups of rows cut at the running token counts.
-            offs = torch.cumsum(num_tokens_per_expert, 0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-            return torch._grouped_mm(h, w2, offs=offs)
-        outs = [(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]
-                for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist()))]
-        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
-
-    def _use_grouped_mm(self, x, w1, w2) -> bool:
-        if self.grouped_mm is not None:
-            return self.grouped_mm
-        # Its kernels want 16-byte-aligned rows: the widths must be multiples of 16 bytes.
-        aligned = all((n * x.element_size()) % 16 == 0 for n in (x.shape[-1], w1.shape[-1], w2.shape[-1]))
-        if torch.compiler.is_compiling():
-            return aligned and self._traced_ok.get(x.dtype, False)
-        return aligned and grouped_mm_runs(x.device.type, x.dtype)
+        return expert_swiglu(x, num_tokens_per_expert, w1, w2, w3, self.grouped_mm)
 
 
 class TopKRouter(nn.Module):
