@@ -187,7 +187,7 @@ def p2p_plan(src: DTensorSpec, dst_placements: Tuple[Placement, ...], fallback: 
     cur = tuple(dst_placements[m] if mesh.shape[m] == 1 else p for m, p in enumerate(src.placements))
     dst = tuple(dst_placements)
     # No coordinate is needed: ranks outside the mesh price (and so choose) as its members do.
-    if cur == dst or not permute.eligible(src.shape, cur, dst):
+    if cur == dst or not permute.eligible(src.shape, cur, dst, mesh.size()):
         return None
     price = permute.p2p_price(tuple(src.shape), mesh, cur, dst, src.dtype.itemsize)
     if price is None:
