@@ -178,7 +178,7 @@ def _setup(impl: str, A, mesh) -> float:
     """parallelize_module + fully_shard of a 70B Llama 3 on the meta device; seconds (or -1: failed)."""
     import torch
     from shardprop.demo.model import Llama, LlamaConfig, tp_plan
-    cfg = LlamaConfig(dim=8192, n_layers=80, n_heads=64, vocab_size=128256, seq_len=256, ffn_dim=28672)
+    cfg = LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, seq_len=256, ffn_dim=28672)
     with torch.device("meta"):
         model = Llama(cfg)
     dp, tp = mesh["d0"], mesh["d1"]

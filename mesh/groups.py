@@ -229,6 +229,18 @@ class RankRange(collections.abc.Sequence):
         return repr(list(self.span)) if len(self.span) <= 16 else f"RankRange({self.span!r})"
 
 
+def ascending(ranks) -> bool:
+    """Whether ``ranks`` are in ascending order (O(1) for a :class:`RankRange`).
+
+    Example:
+        >>> ascending([0, 2, 1]), ascending(RankRange(range(0, 8)))
+        (False, True)
+    """
+    if isinstance(ranks, RankRange):
+        return ranks.span.step > 0
+    return all(a < b for a, b in zip(ranks, ranks[1:]))
+
+
 # Lists shorter than this stay plain lists (small meshes: nothing changes for them).
 _COMPACT_FROM = 64
 

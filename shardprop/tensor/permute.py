@@ -29,11 +29,11 @@ from shardprop.tensor.placement import Partial
 # one fixed latency per peer of the rank with the most peers.
 P2P_FACTOR = 1.0
 
-# Meshes of more ranks than this are not priced point to point: the price needs every rank's
+# Meshes of more ranks than this (16) are not priced point to point: the price needs every rank's
 # box against every other's (boxes.plan_transfers is quadratic in the ranks: at 65,536 ranks it
 # never finishes), and on such meshes one rank's messages to its many peers lose to the
 # collectives anyway. Planning then costs the same at any size; below it nothing changes.
-MAX_RANKS = 64
+MAX_RANKS = 16
 
 
 class P2PPrice(NamedTuple):
