@@ -122,7 +122,9 @@ def one(impl: str, world: int, shape, setup: bool) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=RANK % world, world_size=world)
     A = _api(impl)
     # Warm the torch ops both builds use, so neither pays their first call.
-    torch.arange(world).reshape(shape).flatten().diff().bincount()
+    warm = torch.arange(world).reshape(shape)
+    warm.flatten().diff().bincount(), (warm == 0).nonzero(), (warm * warm).sum(), warm.diff(dim=0).all()
+    torch.unique(warm), warm.sort(), warm[(0,) * (len(shape) - 1)].tolist()
     out = {"impl": impl, "world": world, "shape": list(shape)}
     tracemalloc.start()
     rss0, heap0 = _rss_kb(), tracemalloc.get_traced_memory()[0]

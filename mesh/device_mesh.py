@@ -400,6 +400,21 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         """(group, ranks) spanning a sorted tuple of mesh dims, or None if not available."""
         return self._groups.get(dims)
 
+    def group_in_order(self, dims: Tuple[int, ...]) -> bool:
+        """Whether the group over ``dims`` exists and lists its ranks in ascending (c10d's) order.
+
+        Worked out once per set of dims (the list can hold thousands of ranks), then a dict lookup.
+
+        Example:
+            >>> mesh.group_in_order((0, 1))  # doctest: +SKIP
+            True
+        """
+        known = self.__dict__.setdefault("_in_order", {})
+        if dims not in known:
+            entry = self._groups.get(dims)
+            known[dims] = entry is not None and _groups.ascending(entry[1])
+        return known[dims]
+
     # ---- slicing --------------------------------------------------------------
     def __getitem__(self, names: Union[str, Tuple[str, ...]]) -> "DeviceMesh":
         """Sub-mesh over the named dims through this rank, e.g. ``mesh["tp"]``.

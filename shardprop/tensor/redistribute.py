@@ -30,7 +30,6 @@ from typing import List, Optional, Tuple
 import torch
 
 from shardprop.mesh import collectives as C
-from shardprop.mesh.groups import ascending
 from shardprop.tensor import permute
 from shardprop.tensor import steps as steps_mod
 from shardprop.tensor.layout import is_even
@@ -205,10 +204,9 @@ def _fuse_gathers(steps: List[Step], gathers: List[int], spec: DTensorSpec) -> L
     src = spec.placements
     tensor_dims = {src[m].dim for m in dims}
     others_touch = any(type(p) is Shard and p.dim in tensor_dims for m, p in enumerate(src) if m not in dims)
-    group = spec.mesh.group_for(dims)
     # One gather over several mesh dims puts pieces in the group's (ascending rank) order: fuse only when
     # that is the mesh's row-major order, e.g. not on [[0, 2], [1, 3]].
-    in_order = group is not None and ascending(group[1])
+    in_order = spec.mesh.group_in_order(dims)
     if others_touch or not in_order or not is_even(spec.shape, spec.mesh.shape, src):
         return steps
     cur = list(src)
