@@ -92,6 +92,9 @@ def mesh_or_current(device_mesh) -> "DeviceMesh":
     return device_mesh if device_mesh is not None else current_mesh()
 
 
+# Meshes up to this many ranks keep their flat rank tuple from construction (see DeviceMesh.__init__).
+_EAGER_FLAT = 4096
+
 # First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
 _PICKLED = "shardprop.DeviceMesh/v1"
 
@@ -152,7 +155,12 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         # The mesh this one was sliced from (None for a root mesh): fully_shard combines a
         # parameter's tp mesh and its dp mesh into their common parent.
         self._parent = _parent if isinstance(_parent, DeviceMesh) else None
-        self._flat_ranks: Optional[Tuple[int, ...]] = None  # built on first use: O(world) Python ints
+        # Every rank as Python ints: built now for meshes up to _EAGER_FLAT ranks (later a first use
+        # could fall inside torch.compile's tracing, whose FakeTensorMode refuses reading a real
+        # tensor); on bigger meshes only when asked (pickling, checkpoints), never on the hot path.
+        self._flat_ranks: Optional[Tuple[int, ...]] = None
+        if self.mesh.numel() <= _EAGER_FLAT:
+            self._flat_ranks = tuple(self.mesh.flatten().tolist())
         # Hashed from two position-weighted sums (equality compares every rank): no per-rank Python
         # object, so a mesh of 65,536 ranks costs its one int64 tensor (as torch's does).
         flat = self.mesh.flatten()
@@ -320,8 +328,8 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
             return True
         if not isinstance(other, DeviceMesh) or self._hash != other._hash:
             return False
-        return ((self.device_type, self.mesh.shape, self.mesh_dim_names)
-                == (other.device_type, other.mesh.shape, other.mesh_dim_names) and torch.equal(self.mesh, other.mesh))
+        return (self.device_type, self._flat, self.mesh.shape, self.mesh_dim_names) == (
+            other.device_type, other._flat, other.mesh.shape, other.mesh_dim_names)
 
     def __deepcopy__(self, memo) -> "DeviceMesh":
         # A mesh owns process groups: a copy would be a second mesh over the same groups
