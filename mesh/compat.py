@@ -144,19 +144,6 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 split_group = getattr(dist, "split_group", None)
 
 
-def backend_config(group=None) -> str:
-    """The default group's backend per device, as c10d writes it (``"cpu:gloo,cuda:nccl"``).
-
-    Older releases without ``get_backend_config`` give the backend's name alone.
-
-    Example:
-        >>> backend_config()  # doctest: +SKIP
-        'cpu:gloo,cuda:nccl'
-    """
-    probe = getattr(dist, "get_backend_config", None)
-    return str(probe(group) if probe is not None else dist.get_backend(group))
-
-
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a checkpoint recomputation runs inside one).
 

@@ -63,7 +63,10 @@ def default_backends() -> Dict[str, str]:
     """
     if not dist.is_initialized():
         return {}
-    text = str(compat.backend_config()).lower()
+    # get_backend names every device's backend of a mixed group ("cpu:gloo,cuda:nccl"), as given.
+    text = str(dist.get_backend()).lower()
+    if text == "undefined":  # init_process_group() without a backend: torch's per-device defaults
+        text = str(dist.get_backend_config()).lower()
     if ":" not in text:  # one backend for every device ("gloo", "fake")
         return {"*": text}
     pairs = (item.split(":", 1) for item in text.split(",") if ":" in item)

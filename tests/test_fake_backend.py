@@ -131,13 +131,14 @@ def test_cache_hit_dispatch_costs_the_same_at_4_and_65536_ranks():
 
 
 def test_backend_for_follows_defaults_it_cannot_use(monkeypatch):
-    from shardprop.mesh import compat, groups
-    monkeypatch.setattr(groups.dist, "is_initialized", lambda: True)
+    import torch.distributed as dist
+    from shardprop.mesh import groups
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     cases = {"gloo": ("gloo", "gloo"), "nccl": ("gloo", "nccl"), "cpu:gloo,cuda:nccl": ("gloo", "nccl"),
              "cpu:gloo,cuda:gloo": ("gloo", "gloo"), "fake": ("fake", "fake"),
              "cpu:fake,cuda:fake": ("fake", "fake"), "mpi": ("mpi", "mpi")}
     for config, (cpu, cuda) in cases.items():
-        monkeypatch.setattr(compat, "backend_config", lambda group=None, c=config: c)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, c=config: c)
         assert (groups.backend_for("cpu"), groups.backend_for("cuda")) == (cpu, cuda), config
     assert groups.follows_default("fake") and not groups.follows_default("gloo")
 

@@ -79,7 +79,7 @@ def _stage(what: str) -> None:
 
 def main() -> None:
     # One default group for everything: the demo, started inside it, uses it as it is (a second
-    # init_process_group on torchrun's agent store would wait for keys of the first).
+    # init_process_group after destroy_process_group under torchrun's agent store hung here).
     _stage("group")
     dist.init_process_group("gloo")
     try:
