@@ -56,10 +56,14 @@ class CommCounter:
 
     def __init__(self) -> None:
         self.counts: Dict[str, Tuple[int, int]] = {}
+        # (kind, group size) -> (count, bytes); group size 0 where unknown (point-to-point messages)
+        self.by_group: Dict[Tuple[str, int], Tuple[int, int]] = {}
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, group_size: int = 0) -> None:
         n, b = self.counts.get(kind, (0, 0))
         self.counts[kind] = (n + 1, b + nbytes)
+        n, b = self.by_group.get((kind, group_size), (0, 0))
+        self.by_group[(kind, group_size)] = (n + 1, b + nbytes)
 
     @property
     def total(self) -> Tuple[int, int]:
@@ -68,6 +72,7 @@ class CommCounter:
 
     def reset(self) -> None:
         self.counts.clear()
+        self.by_group.clear()
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}: {n} ({b} B)" for k, (n, b) in sorted(self.counts.items()))
@@ -93,10 +98,10 @@ def comm_counter(counter: Optional[CommCounter] = None) -> Iterator[CommCounter]
         _counters = tuple(x for x in _counters if x is not c)
 
 
-def _count(kind: str, t: torch.Tensor) -> None:
+def _count(kind: str, t: torch.Tensor, group_size: int = 0) -> None:
     nbytes = t.numel() * t.element_size()
     for c in _counters:
-        c.add(kind, nbytes)
+        c.add(kind, nbytes, group_size)
 
 
 def resolve(mesh, dims: MeshDims):
@@ -225,7 +230,7 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     if (not t.is_cpu or staging._forced) and _staged("all_gather", t, group):
         return _done(staging.to_device(_on_host(all_gather, t, mesh, dims), t), async_op, finish, finish_shape)
     if _counters:
-        _count("all_gather", t)
+        _count("all_gather", t, n)
     if type(t) is not torch.Tensor and is_traced(t):
         out = _functional("all_gather", t, group, n)
         return finish(out) if finish is not None else out
@@ -256,7 +261,7 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
         out = staging.to_device(_on_host(reduce_scatter, t, mesh, dims, op), t)
         return _done(out, async_op, finish, finish_shape)
     if _counters:
-        _count("reduce_scatter", t)
+        _count("reduce_scatter", t, n)
     if type(t) is not torch.Tensor and is_traced(t):
         out = _functional("reduce_scatter", t, group, n, op)
         out = out / n if op == "avg" else out
@@ -293,14 +298,14 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
         return _done(t.copy_(host) if inplace else staging.to_device(host, t), async_op)
     if type(t) is not torch.Tensor and is_traced(t):
         if _counters:
-            _count("all_reduce", t)
+            _count("all_reduce", t, n)
         out = _functional("all_reduce", t.contiguous(), group, n, op)
         return out / n if op == "avg" else out
     if direct.usable(t, n) and direct.small_all_reduce(t, n, op, group):
         # One round of messages; ``t`` is only read, so no copy of a tensor the caller keeps.
         t = t.contiguous()
         if _counters:
-            _count("all_reduce", t)
+            _count("all_reduce", t, n)
         out = t if inplace else buffer_pool.empty_like(t)
         work, stacked = direct.all_reduce_into(t, group, ranks)
         after = _then(lambda s: direct.reduce(s, op, out), _avg(n) if op == "avg" else None)
@@ -313,7 +318,7 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
         # memory (measured 1.2-1.7x faster than gloo's ring from 2 to 64 MB on 4 ranks).
         t = t.contiguous()
         if _counters:
-            _count("all_reduce", t)
+            _count("all_reduce", t, n)
         out = direct.all_reduce_two_phase(t if inplace else buffer_pool.empty_like(t), t, group, ranks, op)
         return _avg(n)(out) if op == "avg" else out
     if inplace and t.is_contiguous():
@@ -323,7 +328,7 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     else:
         out = t.clone(memory_format=torch.contiguous_format)
     if _counters:
-        _count("all_reduce", out)
+        _count("all_reduce", out, n)
     work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return _finish(out, work, async_op, _avg(n) if op == "avg" else None)
 
@@ -350,7 +355,7 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
     group, ranks, n = resolve(mesh, dims)
     if views is not None:
         if _counters:
-            _count("all_to_all", t)
+            _count("all_to_all", t, n)
         work = direct.all_to_all_views(views[0], views[1], group, ranks)
         if not async_op:
             work.wait()
@@ -361,7 +366,7 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
         out = out.copy_(host) if out is not None else staging.to_device(host, t)
         return _done(out, async_op, finish, finish_shape)
     if _counters:
-        _count("all_to_all", t)
+        _count("all_to_all", t, n)
     if out is None and type(t) is not torch.Tensor and is_traced(t):
         even = [t.shape[0] // n] * n
         res = _functional("all_to_all", t, group, n, out_split=output_split_sizes or even,
@@ -407,7 +412,7 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     if (not t.is_cpu or staging._forced) and _staged("broadcast", t, group):
         return _done(t.copy_(_on_host(broadcast, t, mesh, dims, src)), async_op)
     if _counters:
-        _count("broadcast", t)
+        _count("broadcast", t, len(ranks))
     if type(t) is not torch.Tensor and is_traced(t):  # functional: a new tensor, not in place
         f = torch.ops._c10d_functional
         return f.wait_tensor(f.broadcast(t.contiguous(), src, group.group_name))
@@ -430,7 +435,7 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
                            staging.host_empty(out), mesh, dims, src)
         return _done(out.copy_(host), async_op)
     if _counters:
-        _count("scatter", out)
+        _count("scatter", out, len(ranks))
     work = dist.scatter(out, [c.contiguous() for c in chunks] if me == ranks[src] else None,
                         src=ranks[src], group=group, async_op=async_op)
     return _finish(out, work, async_op)

@@ -92,6 +92,9 @@ def mesh_or_current(device_mesh) -> "DeviceMesh":
     return device_mesh if device_mesh is not None else current_mesh()
 
 
+# Meshes up to this many ranks keep their flat rank tuple from construction (see DeviceMesh.__init__).
+_EAGER_FLAT = 4096
+
 # First argument of DeviceMesh.__new__ when a pickle (not a user) builds a mesh: see __reduce__.
 _PICKLED = "shardprop.DeviceMesh/v1"
 
@@ -110,6 +113,19 @@ def _rank_lists(mesh: torch.Tensor, dims: Tuple[int, ...]) -> List[List[int]]:
     others = [d for d in range(mesh.ndim) if d not in dims]
     moved = mesh.permute(*others, *dims).reshape(-1, *[mesh.shape[d] for d in dims])
     return [row.flatten().tolist() for row in moved]
+
+
+def _my_list(mesh: torch.Tensor, coord: Tuple[int, ...], dims: Tuple[int, ...]) -> Sequence[int]:
+    """The ranks along ``dims`` through ``coord`` (flattened row-major): one rank's entry of :func:`_rank_lists`.
+
+    Evenly spaced ranks come back as a ``range`` (see :func:`groups.compact`).
+
+    Example:
+        >>> _my_list(torch.tensor([[0, 1], [3, 2]]), (1, 0), (1,))
+        [3, 2]
+    """
+    index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
+    return _groups.compact(mesh[index].flatten())
 
 
 class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh as a value
@@ -139,8 +155,18 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         # The mesh this one was sliced from (None for a root mesh): fully_shard combines a
         # parameter's tp mesh and its dp mesh into their common parent.
         self._parent = _parent if isinstance(_parent, DeviceMesh) else None
-        self._flat = tuple(self.mesh.flatten().tolist())
-        self._hash = hash((device_type, self._flat, tuple(self.mesh.shape), self.mesh_dim_names))
+        # Every rank as Python ints: built now for meshes up to _EAGER_FLAT ranks (later a first use
+        # could fall inside torch.compile's tracing, whose FakeTensorMode refuses reading a real
+        # tensor); on bigger meshes only when asked (pickling, checkpoints), never on the hot path.
+        self._flat_ranks: Optional[Tuple[int, ...]] = None
+        if self.mesh.numel() <= _EAGER_FLAT:
+            self._flat_ranks = tuple(self.mesh.flatten().tolist())
+        # Hashed from two position-weighted sums (equality compares every rank): no per-rank Python
+        # object, so a mesh of 65,536 ranks costs its one int64 tensor (as torch's does).
+        flat = self.mesh.flatten()
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64)
+        fingerprint = (int(flat.sum()), int((flat * weights).sum()))
+        self._hash = hash((device_type, fingerprint, tuple(self.mesh.shape), self.mesh_dim_names))
         me = dist.get_rank()
         where = (self.mesh == me).nonzero()
         self._coord: Optional[Tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
@@ -154,15 +180,19 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
             self._adopt(_dim_groups, backend)
         elif _parent is None and backend == "gloo":  # collective, like creating the groups below
             shm_transport.attach()
+        # Only this rank's groups are created (one per set of dims): cost flat in the world size.
+        # NCCL splits every group of a dim from the default communicator in one collective call.
+        split = backend == "nccl" and compat.split_group is not None
         for dims in (() if _dim_groups is not None else _combos(self.mesh.ndim)):
-            lists = _rank_lists(self.mesh, dims)
-            if _parent is None:
-                group = _groups.create_groups(lists, backend)
+            mine = _my_list(self.mesh, self._coord, dims) if self._coord is not None else []
+            if _parent is None and split:
+                group = _groups.create_groups(_rank_lists(self.mesh, dims), backend)
+            elif _parent is None:
+                group = _groups.create_group(mine, backend) if mine else None
             else:  # a slice reuses its parent's groups and never creates one
-                group = next((_groups._group_cache.get((backend, tuple(l))) for l in lists if me in l), None)
+                group = _groups.lookup(backend, mine) if mine else None
                 if group is None and len(dims) > 1:
                     continue
-            mine = next((l for l in lists if me in l), [])
             self._groups[dims] = (group, mine)
         self._graph_key = next(_next_key)  # registered once built: a failed mesh is never found
         _by_key[self._graph_key] = self
@@ -173,7 +203,7 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         if self._coord is None:
             raise ValueError(f"DeviceMesh.from_group: this rank ({me}) is not in the mesh {self.mesh.tolist()}")
         for d, group in enumerate(groups):
-            mine = next(r for r in _rank_lists(self.mesh, (d,)) if me in r)
+            mine = _my_list(self.mesh, self._coord, (d,))
             if not isinstance(group, dist.ProcessGroup):
                 raise ValueError(f"DeviceMesh.from_group: group {d} is {group!r}, not a ProcessGroup this rank belongs "
                                  f"to (this rank's ranks along mesh dim {d} are {mine})")
@@ -186,8 +216,8 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
             flat = list(self._flat)
             if sorted(flat) == list(range(dist.get_world_size())):
                 self._groups[tuple(range(self.ndim))] = (dist.group.WORLD, flat)
-            elif (backend, tuple(sorted(flat))) in _groups._group_cache:
-                self._groups[tuple(range(self.ndim))] = (_groups._group_cache[(backend, tuple(sorted(flat)))], flat)
+            elif _groups.lookup(backend, sorted(flat)) is not None:
+                self._groups[tuple(range(self.ndim))] = (_groups.lookup(backend, sorted(flat)), flat)
 
     @staticmethod
     def from_group(group, device_type: str, mesh=None, *, mesh_dim_names: Optional[Sequence[str]] = None) -> "DeviceMesh":
@@ -234,9 +264,17 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         """
         return [self.get_group(d) for d in range(self.ndim)]
 
+    @property
+    def _flat(self) -> Tuple[int, ...]:
+        """Every rank of the mesh, row-major (built on first use: a tuple of world-size Python ints)."""
+        if self._flat_ranks is None:
+            self._flat_ranks = tuple(self.mesh.flatten().tolist())
+        return self._flat_ranks
+
     def _validate(self) -> None:
-        flat = self.mesh.flatten().tolist()
-        if len(set(flat)) != len(flat):
+        # Vectorised: a mesh of 65,536 ranks is checked without a Python object per rank.
+        flat = self.mesh.flatten()
+        if flat.numel() > 1 and int(torch.bincount(flat - flat.min()).max()) > 1:  # (unique/sort: 10x slower)
             raise ValueError(f"DeviceMesh: ranks must be unique, got {self.mesh.tolist()}")
         if self.mesh_dim_names is not None:
             if len(self.mesh_dim_names) != self.mesh.ndim:
@@ -248,12 +286,15 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
                 raise ValueError(f"DeviceMesh: duplicate dim names {self.mesh_dim_names}")
         if not dist.is_initialized():
             raise RuntimeError("DeviceMesh: torch.distributed is not initialised; use init_device_mesh")
-        bad = [r for r in flat if r < 0 or r >= dist.get_world_size()]
-        if bad:
+        outside = (flat < 0) | (flat >= dist.get_world_size())
+        if bool(outside.any()):
+            bad = flat[outside].tolist()
             raise ValueError(f"DeviceMesh: ranks {bad} are outside the world of size {dist.get_world_size()}")
         # c10d orders a group's members by global rank, and every collective here puts rank i's piece
         # at mesh index i: along a mesh dim the two orders must agree, or data lands on the wrong rank.
         for d in range(self.mesh.ndim):
+            if self.mesh.shape[d] < 2 or bool((self.mesh.diff(dim=d) > 0).all()):
+                continue
             for ranks in _rank_lists(self.mesh, (d,)):
                 if ranks != sorted(ranks):
                     raise ValueError(
@@ -367,6 +408,21 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         """(group, ranks) spanning a sorted tuple of mesh dims, or None if not available."""
         return self._groups.get(dims)
 
+    def group_in_order(self, dims: Tuple[int, ...]) -> bool:
+        """Whether the group over ``dims`` exists and lists its ranks in ascending (c10d's) order.
+
+        Worked out once per set of dims (the list can hold thousands of ranks), then a dict lookup.
+
+        Example:
+            >>> mesh.group_in_order((0, 1))  # doctest: +SKIP
+            True
+        """
+        known = self.__dict__.setdefault("_in_order", {})
+        if dims not in known:
+            entry = self._groups.get(dims)
+            known[dims] = entry is not None and _groups.ascending(entry[1])
+        return known[dims]
+
     # ---- slicing --------------------------------------------------------------
     def __getitem__(self, names: Union[str, Tuple[str, ...]]) -> "DeviceMesh":
         """Sub-mesh over the named dims through this rank, e.g. ``mesh["tp"]``.
@@ -429,9 +485,10 @@ def _rebind(device_type, flat, shape, names) -> DeviceMesh:
     # A mesh nobody holds any more (a slice such as mesh["tp"]) whose groups exist: rebuild it.
     backend = _groups.backend_for(device_type)
     layout = torch.tensor(flat, dtype=torch.int64).reshape(shape)
+    coord = tuple((layout == me).nonzero()[0].tolist())
     for d in range(len(shape)):
-        mine = next(l for l in _rank_lists(layout, (d,)) if me in l)
-        if (backend, tuple(mine)) not in _groups._group_cache:
+        mine = _my_list(layout, coord, (d,))
+        if _groups.lookup(backend, mine) is None:
             raise ValueError(f"cannot unpickle {what}: no mesh with a {device_type} group over ranks {mine} "
                              f"(its dim {d}) exists in this process; create the mesh (init_device_mesh, or a "
                              f"slice of one) before loading; {hint}")

@@ -7,6 +7,7 @@ them; nothing creates a group lazily inside a collective call.
 """
 from __future__ import annotations
 
+import collections.abc
 import datetime
 import os
 from typing import Dict, Iterable, Optional, Sequence, Tuple
@@ -19,7 +20,7 @@ from shardprop.mesh import compat
 _DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDPROP_COLLECTIVE_TIMEOUT", "300"))
 _timeout = datetime.timedelta(seconds=_DEFAULT_TIMEOUT_S)
 
-# (backend, ranks) -> ProcessGroup, or None on ranks outside the group.
+# cache_key(backend, ranks) -> ProcessGroup, or None on ranks outside the group (NCCL splits).
 _group_cache: Dict[Tuple[str, Tuple[int, ...]], Optional[dist.ProcessGroup]] = {}
 
 
@@ -46,20 +47,62 @@ def collective_timeout() -> datetime.timedelta:
     return _timeout
 
 
+# Backends whose groups we create ourselves (gloo on CPU, NCCL on CUDA). A default group that
+# names neither (torch's "fake" backend for dry runs, MPI, UCC, a vendor's) may live on a store
+# that cannot host a gloo group (FakeStore: c10d asserts "Not implemented"), so mesh groups then
+# follow the default group's backend instead.
+_OURS = ("gloo", "nccl")
+
+
+def default_backends() -> Dict[str, str]:
+    """``{device type: backend}`` of the default group (``{}`` before it exists).
+
+    Example:
+        >>> default_backends()  # after init_process_group("cpu:gloo,cuda:nccl")  # doctest: +SKIP
+        {'cpu': 'gloo', 'cuda': 'nccl'}
+    """
+    if not dist.is_initialized():
+        return {}
+    # get_backend names every device's backend of a mixed group ("cpu:gloo,cuda:nccl"), as given.
+    text = str(dist.get_backend()).lower()
+    if text == "undefined":  # init_process_group() without a backend: torch's per-device defaults
+        text = str(dist.get_backend_config()).lower()
+    if ":" not in text:  # one backend for every device ("gloo", "fake")
+        return {"*": text}
+    pairs = (item.split(":", 1) for item in text.split(",") if ":" in item)
+    return {dev.strip(): be.strip() for dev, be in pairs}
+
+
+def follows_default(backend: str) -> bool:
+    """Whether groups of ``backend`` are created with the default group's backend (not one we name).
+
+    Example:
+        >>> follows_default("gloo")
+        False
+    """
+    return backend not in _OURS
+
+
 def backend_for(device_type: str) -> str:
-    """The c10d backend we use for a device type: NCCL on CUDA, gloo otherwise.
+    """The c10d backend of a mesh's groups for a device type: NCCL on CUDA, gloo otherwise.
 
     A CUDA mesh in a world whose default group has no NCCL (``init_process_group("gloo")``, as
     for several ranks sharing one GPU: NCCL refuses two ranks on one device) gets gloo groups;
     collectives then stage what gloo cannot carry on the GPU through host memory (mesh/staging.py).
+    Mixed defaults (``"cpu:gloo,cuda:nccl"``) give gloo to CPU meshes and NCCL to CUDA ones. A
+    default group naming neither gloo nor NCCL (``"fake"``, ``"mpi"``, ...) is followed: the name
+    returned is its backend, and groups are created without naming one (:func:`follows_default`).
 
     Example:
         >>> backend_for("cpu")
         'gloo'
     """
+    known = default_backends()
+    if known and not any(b in _OURS for b in known.values()):
+        return known.get(device_type, known.get("*", next(iter(known.values()))))
     if device_type != "cuda":
         return "gloo"
-    if dist.is_initialized() and "nccl" not in str(dist.get_backend()).lower():
+    if known and "nccl" not in known.values():
         return "gloo"
     return "nccl"
 
@@ -116,15 +159,16 @@ def ensure_default_group(device_type: str, backend: Optional[str] = None) -> Non
 def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Optional[dist.ProcessGroup]:
     """Create (or reuse) one group per rank list; return the one holding this rank.
 
-    Every rank must call this with the same lists in the same order: group
-    creation is collective over the default group. On NCCL the lists (one
-    partition of the ranks) are split from the default communicator in one call.
+    Every rank must call this with the same lists in the same order: group creation is
+    collective over the default group. Used for NCCL, whose lists (one partition of the ranks)
+    are split from the default communicator in one call; other backends take
+    :func:`create_group`, which only the members call.
 
     Example:
-        >>> create_groups([[0, 1], [2, 3]], "gloo")  # doctest: +SKIP
+        >>> create_groups([[0, 1], [2, 3]], "nccl")  # doctest: +SKIP
     """
     me = dist.get_rank()
-    keys = [(backend, tuple(int(r) for r in ranks)) for ranks in all_rank_lists]
+    keys = [cache_key(backend, ranks) for ranks in all_rank_lists]
     todo = [k for k in keys if k not in _group_cache]
     if todo and backend == "nccl" and compat.split_group is not None:
         split = compat.split_group(split_ranks=[list(k[1]) for k in todo], timeout=_timeout)
@@ -137,3 +181,135 @@ def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Opti
         if me in k[1]:
             return _group_cache[k]
     return None
+
+
+class RankRange(collections.abc.Sequence):
+    """Evenly spaced ranks held as a ``range`` (O(1) memory) that compares and prints like a list.
+
+    A mesh of 65,536 ranks keeps its group over every dim as ``RankRange(range(0, 65536))``
+    instead of a Python int per rank. Equal to any list, tuple or range with the same ranks.
+
+    Example:
+        >>> RankRange(range(0, 6, 2)) == [0, 2, 4]
+        True
+    """
+
+    __slots__ = ("span",)
+    __hash__ = None  # as a list's: equal to lists, so never a dict key (cache_key uses the range)
+
+    def __init__(self, span: range):
+        self.span = span
+
+    def __len__(self) -> int:
+        return len(self.span)
+
+    def __getitem__(self, i):
+        return list(self.span[i]) if isinstance(i, slice) else self.span[i]
+
+    def __iter__(self):
+        return iter(self.span)
+
+    def __contains__(self, r) -> bool:
+        return r in self.span
+
+    def index(self, r, *args) -> int:
+        return self.span.index(r, *args)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, RankRange):
+            return self.span == other.span
+        if isinstance(other, (list, tuple, range)):
+            return len(other) == len(self.span) and all(a == b for a, b in zip(self.span, other))
+        return NotImplemented
+
+    def __add__(self, other) -> list:
+        return list(self.span) + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + list(self.span)
+
+    def __repr__(self) -> str:
+        return repr(list(self.span)) if len(self.span) <= 16 else f"RankRange({self.span!r})"
+
+
+def ascending(ranks) -> bool:
+    """Whether ``ranks`` are in ascending order (O(1) for a :class:`RankRange`).
+
+    Example:
+        >>> ascending([0, 2, 1]), ascending(RankRange(range(0, 8)))
+        (False, True)
+    """
+    if isinstance(ranks, RankRange):
+        return ranks.span.step > 0
+    return all(a < b for a, b in zip(ranks, ranks[1:]))
+
+
+# Lists shorter than this stay plain lists (small meshes: nothing changes for them).
+_COMPACT_FROM = 64
+
+
+def compact(ranks) -> Sequence[int]:
+    """``ranks`` (a 1-d tensor or a sequence) as a :class:`RankRange` when long and evenly spaced, else a list.
+
+    Example:
+        >>> compact(list(range(0, 256, 2))) == list(range(0, 256, 2)), compact([0, 1, 3])
+        (True, [0, 1, 3])
+    """
+    if isinstance(ranks, RankRange):
+        return ranks
+    if isinstance(ranks, range):
+        return RankRange(ranks) if len(ranks) >= _COMPACT_FROM else list(ranks)
+    t = torch.as_tensor(ranks, dtype=torch.int64).flatten()
+    n = t.numel()
+    if n >= _COMPACT_FROM:
+        step = int(t[1] - t[0])
+        if step > 0 and bool((t.diff() == step).all()):
+            return RankRange(range(int(t[0]), int(t[0]) + step * n, step))
+    return t.tolist()
+
+
+def cache_key(backend: str, ranks) -> Tuple[str, object]:
+    """The key of the group over ``ranks`` in the group cache: a ``range`` when long and evenly spaced, else a tuple.
+
+    Example:
+        >>> cache_key("gloo", [0, 1])
+        ('gloo', (0, 1))
+    """
+    ranks = compact(ranks)
+    return backend, ranks.span if isinstance(ranks, RankRange) else tuple(ranks)
+
+
+def lookup(backend: str, ranks) -> Optional[dist.ProcessGroup]:
+    """The cached group over ``ranks``, or None (never creates one).
+
+    Example:
+        >>> lookup("gloo", [0, 1])  # doctest: +SKIP
+    """
+    return _group_cache.get(cache_key(backend, ranks))
+
+
+def create_group(ranks: Sequence[int], backend: str) -> dist.ProcessGroup:
+    """Create (or reuse) the group over ``ranks``, which hold this rank; only those ranks call it.
+
+    The group is synchronised among its members only (``use_local_synchronization``), so a
+    rank of a mesh of N ranks creates its own few groups, never the N / size others: building a
+    mesh costs the same at 4 ranks as at 65,536. Members must create their shared groups in the
+    same order (a mesh walks its dims in order, so they do). A group over the whole world on a
+    followed backend (the fake backend of a dry run) is the default group itself.
+
+    Example:
+        >>> create_group([0, 1], "gloo")  # on ranks 0 and 1  # doctest: +SKIP
+    """
+    key = cache_key(backend, ranks)
+    group = _group_cache.get(key)
+    if group is not None:
+        return group
+    follow = follows_default(backend)
+    world = dist.get_world_size()
+    if follow and len(key[1]) == world and (key[1] == range(world) or key[1] == tuple(range(world))):
+        group = dist.group.WORLD
+    else:
+        group = dist.new_group(list(key[1]), timeout=_timeout, backend=None if follow else backend,
+                               use_local_synchronization=True)
+    _group_cache[key] = group
+    return group

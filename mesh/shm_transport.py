@@ -28,7 +28,8 @@ two ranks sending to each other cannot block one another.
 
 Set ``SHARDPROP_SHM_TRANSPORT=0`` to keep gloo's point-to-point messages;
 ``SHARDPROP_SHM_SPINS`` how often a waiting rank yields its core before it sleeps (default 200);
-``SHARDPROP_SHM_RING_MB`` sets the ring size per peer (default 4; messages up to half of it
+``SHARDPROP_HOST_ID`` overrides the host identity (hostname and boot id) by which ranks find
+their same-host peers; ``SHARDPROP_SHM_RING_MB`` sets the ring size per peer (default 4; messages up to half of it
 go in one piece, larger ones in chunks, the receiver copying one out while the next goes in).
 
 Example:
@@ -88,6 +89,12 @@ def _round(n: int) -> int:
 
 
 def _host_id() -> str:
+    # SHARDPROP_HOST_ID names the host outright: ranks that share a machine but should behave as
+    # on separate hosts (the two-host test tier: two torchrun agents on one machine) get different
+    # ones, and only ranks with equal ids share memory; between them gloo carries the messages.
+    given = os.environ.get("SHARDPROP_HOST_ID", "")
+    if given:
+        return f"id:{given}"
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

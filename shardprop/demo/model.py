@@ -31,6 +31,8 @@ class LlamaConfig:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    # Grouped-query attention (Llama 3: 8 kv heads for 64 query heads); None: one kv head per query head.
+    n_kv_heads: Optional[int] = None
     vocab_size: int = 256
     seq_len: int = 32
     ffn_dim: Optional[int] = None
@@ -44,6 +46,10 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -83,9 +89,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per kv head (local or global: the same ratio)
+        kv_dim = cfg.kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         # Not persistent and not parameters: tensor-parallel styles leave them alone (plain tensors
@@ -106,6 +114,9 @@ class Attention(nn.Module):
         q = apply_rope(q, self.rope_cos, self.rope_sin).transpose(1, 2)
         k = apply_rope(k, self.rope_cos, self.rope_sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
         if self.sdpa:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.wo(y.transpose(1, 2).reshape(b, s, -1))
@@ -155,6 +166,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
+        if any(p.is_meta for p in self.parameters()):  # on the meta device (a dry run) there is nothing to fill
+            return
         # A private generator, in definition order: every rank builds bit-identical weights
         # without touching the global RNG.
         g = torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@
     python -m shardprop.demo --steps 20 --resume ckpt --mesh 4         # continue on another mesh
     python -m shardprop.demo --fsdp --ac selective                     # tp + fully_shard + selective AC
     python -m shardprop.demo --fsdp --mesh 4 --lora --ac full          # torchtune's distributed LoRA recipe
+    python -m shardprop.demo --dry-run --model llama3-70b --mesh 16x4x8  # one rank of 512, fake backend, meta
 
 Spawns ranks (on 127.0.0.1) unless started by torchrun: on the CPU over gloo, or with
 ``--device cuda`` (the default when torch sees a GPU) on the GPUs: NCCL with one GPU per rank,
@@ -352,6 +353,11 @@ def parser() -> argparse.ArgumentParser:
                    help="a mixture-of-experts layer, experts over ep (--mesh 4) or ep x tp (--mesh 2x2); see "
                         "shardprop.demo.moe_train")
     p.add_argument("--tour", action="store_true", help="instead: walk one tensor through every placement")
+    p.add_argument("--dry-run", action="store_true",
+                   help="one rank of a large job in this process (fake backend, meta device): memory and collectives "
+                        "per rank; --mesh is then DPxCPxTP (see shardprop.demo.dry_run)")
+    p.add_argument("--model", default="llama3-70b", help="with --dry-run: llama3-70b, llama3-8b or tiny")
+    p.add_argument("--rank", type=int, default=0, help="with --dry-run: the rank to play (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: NCCL with one GPU per rank, or ranks sharing fewer GPUs over gloo (default: cuda if any)")
     return p
@@ -359,6 +365,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    if args.dry_run:  # one process, no ranks to spawn: see shardprop.demo.dry_run
+        from shardprop.demo.dry_run import dry_run
+        dry_run(args.model, args.mesh or "16x4x8", rank=args.rank,
+                seq=args.seq if "--seq" in (argv if argv is not None else sys.argv) else None,
+                batch=args.batch if "--batch" in (argv if argv is not None else sys.argv) else None)
+        return
     from shardprop.demo.devices import plan, visible_gpus
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.tour:

@@ -80,8 +80,8 @@ class _Tap(_C.CommCounter):
         super().__init__()
         self.events: list = []
 
-    def add(self, kind: str, nbytes: int) -> None:
-        super().add(kind, nbytes)
+    def add(self, kind: str, nbytes: int, group_size: int = 0) -> None:
+        super().add(kind, nbytes, group_size)
         self.events.append((kind, nbytes))
 
 

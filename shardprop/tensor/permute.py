@@ -29,6 +29,12 @@ from shardprop.tensor.placement import Partial
 # one fixed latency per peer of the rank with the most peers.
 P2P_FACTOR = 1.0
 
+# Meshes of more ranks than this (16) are not priced point to point: the price needs every rank's
+# box against every other's (boxes.plan_transfers is quadratic in the ranks: at 65,536 ranks it
+# never finishes), and on such meshes one rank's messages to its many peers lose to the
+# collectives anyway. Planning then costs the same at any size; below it nothing changes.
+MAX_RANKS = 16
+
 
 class P2PPrice(NamedTuple):
     """What one point-to-point redistribution moves: its price inputs and the result."""
@@ -39,8 +45,9 @@ class P2PPrice(NamedTuple):
     max_peers: int      # most peers one rank sends to or receives from
 
 
-def eligible(shape, cur, dst) -> bool:
-    """Whether a transition can go point to point: concrete sizes, no Partial on either side.
+def eligible(shape, cur, dst, mesh_size: Optional[int] = None) -> bool:
+    """Whether a transition can go point to point: concrete sizes, no Partial on either side, a mesh of
+    at most :data:`MAX_RANKS` ranks.
 
     Example:
         >>> from shardprop.tensor.placement import Replicate, Shard
@@ -48,6 +55,8 @@ def eligible(shape, cur, dst) -> bool:
         True
     """
     if any(type(n) is not int for n in shape):  # symbolic sizes (torch.compile): the collectives trace
+        return False
+    if mesh_size is not None and mesh_size > MAX_RANKS:
         return False
     return not any(type(p) is Partial for p in tuple(cur) + tuple(dst))
 

@@ -187,7 +187,7 @@ def p2p_plan(src: DTensorSpec, dst_placements: Tuple[Placement, ...], fallback: 
     cur = tuple(dst_placements[m] if mesh.shape[m] == 1 else p for m, p in enumerate(src.placements))
     dst = tuple(dst_placements)
     # No coordinate is needed: ranks outside the mesh price (and so choose) as its members do.
-    if cur == dst or not permute.eligible(src.shape, cur, dst):
+    if cur == dst or not permute.eligible(src.shape, cur, dst, mesh.size()):
         return None
     price = permute.p2p_price(tuple(src.shape), mesh, cur, dst, src.dtype.itemsize)
     if price is None:
@@ -204,10 +204,9 @@ def _fuse_gathers(steps: List[Step], gathers: List[int], spec: DTensorSpec) -> L
     src = spec.placements
     tensor_dims = {src[m].dim for m in dims}
     others_touch = any(type(p) is Shard and p.dim in tensor_dims for m, p in enumerate(src) if m not in dims)
-    group = spec.mesh.group_for(dims)
     # One gather over several mesh dims puts pieces in the group's (ascending rank) order: fuse only when
     # that is the mesh's row-major order, e.g. not on [[0, 2], [1, 3]].
-    in_order = group is not None and list(group[1]) == sorted(group[1])
+    in_order = spec.mesh.group_in_order(dims)
     if others_touch or not in_order or not is_even(spec.shape, spec.mesh.shape, src):
         return steps
     cur = list(src)
