@@ -1,0 +1,158 @@
+"""parallelize_hf: tiny transformers models laid out from their own plans, on 4 gloo ranks, against one process.
+
+Every rank builds the same randomly initialised model from its config (one seed, no download);
+a copy on each rank runs the whole batch as the reference. Llama and Qwen2 (GQA: 8 query heads,
+4 key/value heads) on tp=4 from ``model.tp_plan`` (embedding_rowwise, colwise, rowwise,
+colwise_gather_output); Mixtral from ``model.ep_plan`` (ep_dispatch_experts, grouped_gemm) on ep=4,
+and on ep=2 x tp=2 with its tp plan on attention (GQA 4/2) and the experts split over ep x tp.
+With ep each rank (or tp pair) runs its share of the batch, and the parameters outside the
+experts are data parallel over ep (their gradients summed here by hand). Losses over 3 AdamW
+steps and every parameter after each step (``full_tensor()``) must match.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.rankpool import run_on_ranks
+
+transformers = pytest.importorskip("transformers", reason="transformers (a test extra) is not installed")
+
+pytestmark = pytest.mark.timeout(240)
+ATOL, RTOL = 2e-4, 2e-4
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 128
+
+
+def _config(kind):
+    common = dict(num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
+    if kind == "llama":
+        return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=4, **common), transformers.LlamaForCausalLM
+    if kind == "qwen2":
+        return transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                                        num_key_value_heads=4, **common), transformers.Qwen2ForCausalLM
+    return transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                                      **common), transformers.MixtralForCausalLM
+
+
+def _loss(model, ids, tgt, total):
+    logits = model(input_ids=ids).logits
+    # Summed over this rank's tokens, over the global count: the ep ranks' losses add up to the whole.
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum") / total
+
+
+def _train(kind, shape, names):
+    from shardprop import DTensor, init_device_mesh, parallelize_hf
+    cfg, cls = _config(kind)
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    has_ep = "ep" in names
+    n_ep = mesh["ep"].size() if len(names) == 2 else (mesh.size() if has_ep else 1)
+    me = (mesh.get_local_rank("ep") if len(names) == 2 else dist.get_rank()) if has_ep else 0
+    ep_group = (mesh.get_group("ep") if len(names) == 2 else mesh.get_group()) if has_ep else None
+    parallelize_hf(model, mesh)
+
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    errors, checked, losses = [], 0, []
+
+    def close(name, got, want):
+        nonlocal checked
+        checked += 1
+        try:
+            torch.testing.assert_close(got.detach(), want.detach(), atol=ATOL, rtol=RTOL)
+        except AssertionError as e:
+            errors.append(f"{name}: {' '.join(str(e).splitlines()[:4])}")
+
+    # eps well above float noise: Adam's first step is lr * g / (|g| + eps), so a gradient near zero
+    # (1e-9 here, 1.1e-9 there: float rounding) would otherwise move a weight by up to lr either way.
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        tgt = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        ref_loss = _loss(ref, ids, tgt, tgt.numel())
+        ref_loss.backward()
+        loss = _loss(model, ids.chunk(n_ep)[me], tgt.chunk(n_ep)[me], tgt.numel())
+        loss.backward()
+        whole = loss.detach().clone()
+        if has_ep:
+            dist.all_reduce(whole, group=ep_group)
+            for name, p in model.named_parameters():
+                if ".experts." not in name:  # data parallel over ep: sum the batch shares' gradients
+                    dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=ep_group)
+        close(f"step {step} loss", whole, ref_loss)
+        losses.append(float(whole))
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        for name, p in model.named_parameters():
+            close(f"step {step} param {name}", p.full_tensor() if isinstance(p, DTensor) else p, ref_params[name])
+    return errors, checked, losses, placements, len(ref_params)
+
+
+def _check(out, n_params):
+    for errors, checked, losses, _, n in out:
+        assert not errors, "\n".join(errors[:20])
+        assert checked == STEPS * (1 + n)
+        assert losses[0] != losses[-1]  # it trained
+    return out[0][3]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_dense_model_on_tp4_from_its_plan(kind):
+    placements = _check(run_on_ranks(4, _train, kind, (4,), ("tp",)), None)
+    from shardprop import Replicate, Shard
+    assert placements["model.embed_tokens.weight"] == (Shard(0),)
+    assert placements["model.layers.0.self_attn.k_proj.weight"] == (Shard(0),)
+    assert placements["model.layers.1.self_attn.o_proj.weight"] == (Shard(1),)
+    assert placements["model.layers.1.mlp.down_proj.weight"] == (Shard(1),)
+    assert placements["lm_head.weight"] == (Shard(0),)
+    if kind == "qwen2":
+        assert placements["model.layers.0.self_attn.q_proj.bias"] == (Shard(0),)
+    assert "model.norm.weight" not in placements and Replicate()  # norms stay plain
+
+
+@pytest.mark.parametrize("shape,names", [((4,), ("ep",)), ((2, 2), ("ep", "tp"))], ids=["ep4", "ep2xtp2"])
+def test_mixtral_from_its_plans(shape, names):
+    placements = _check(run_on_ranks(4, _train, "mixtral", shape, names), None)
+    from shardprop import Replicate, Shard
+    experts = "model.layers.0.mlp.experts."
+    if names == ("ep",):
+        assert placements[experts + "gate_up_proj"] == (Shard(0),)
+        assert placements[experts + "down_proj"] == (Shard(0),)
+        assert not any(".self_attn." in n for n in placements)  # attention is data parallel over ep
+    else:
+        assert placements[experts + "gate_up_proj"] == (Shard(0), Replicate())
+        assert placements[experts + "down_proj"] == (Shard(0), Shard(2))
+        assert placements["model.layers.1.self_attn.q_proj.weight"] == (Shard(0),)
+
+
+def _refusals():
+    from shardprop import init_device_mesh, parallelize_hf
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    cfg, cls = _config("llama")
+    torch.manual_seed(0)
+    msgs = []
+    for plan_cfg, plan in ((cfg, {"model.layers.*.self_attn.q_proj": "sequence_parallel"}), (None, None)):
+        if plan_cfg is None:  # GQA: 2 key/value heads cannot split over tp=4
+            plan_cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                num_key_value_heads=2, num_hidden_layers=1, vocab_size=VOCAB)
+        try:
+            parallelize_hf(cls(plan_cfg), mesh, tp_plan=plan)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_unsupported_plans_are_refused_by_name():
+    for unknown, heads in run_on_ranks(4, _refusals):
+        assert unknown and "'sequence_parallel'" in unknown and "model.layers.0.self_attn.q_proj" in unknown, unknown
+        assert heads and "num_key_value_heads=2" in heads and "tp=4" in heads, heads
