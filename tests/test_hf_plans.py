@@ -26,6 +26,7 @@ STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 128
 
 def _config(kind):
     common = dict(num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
+    kv = 4 if kind == "mixtral-kv4" else 2  # tp=4 needs 4 key/value heads
     if kind == "llama":
         return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                         num_key_value_heads=4, **common), transformers.LlamaForCausalLM
@@ -33,7 +34,7 @@ def _config(kind):
         return transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=8,
                                         num_key_value_heads=4, **common), transformers.Qwen2ForCausalLM
     return transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                      num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                                      num_key_value_heads=kv, num_local_experts=8, num_experts_per_tok=2,
                                       **common), transformers.MixtralForCausalLM
 
 
@@ -44,7 +45,7 @@ def _loss(model, ids, tgt, total):
 
 
 def _train(kind, shape, names):
-    from shardprop import DTensor, init_device_mesh, parallelize_hf
+    from shardprop import DTensor, comm_counter, init_device_mesh, parallelize_hf
     cfg, cls = _config(kind)
     torch.manual_seed(0)
     ref = cls(cfg)
@@ -78,7 +79,9 @@ def _train(kind, shape, names):
         tgt = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         ref_loss = _loss(ref, ids, tgt, tgt.numel())
         ref_loss.backward()
-        loss = _loss(model, ids.chunk(n_ep)[me], tgt.chunk(n_ep)[me], tgt.numel())
+        with comm_counter() as c:
+            loss = _loss(model, ids.chunk(n_ep)[me], tgt.chunk(n_ep)[me], tgt.numel())
+        comms = {k: v[0] for k, v in c.counts.items()}
         loss.backward()
         whole = loss.detach().clone()
         if has_ep:
@@ -94,20 +97,24 @@ def _train(kind, shape, names):
         opt.zero_grad()
         for name, p in model.named_parameters():
             close(f"step {step} param {name}", p.full_tensor() if isinstance(p, DTensor) else p, ref_params[name])
-    return errors, checked, losses, placements, len(ref_params)
+    return errors, checked, losses, placements, len(ref_params), comms
 
 
-def _check(out, n_params):
-    for errors, checked, losses, _, n in out:
+def _check(out, comms):
+    """No mismatch on any rank; the model trained; the last forward's collectives are ``comms``."""
+    for errors, checked, losses, _, n, got in out:
         assert not errors, "\n".join(errors[:20])
         assert checked == STEPS * (1 + n)
         assert losses[0] != losses[-1]  # it trained
+        assert got == comms, got
     return out[0][3]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_dense_model_on_tp4_from_its_plan(kind):
-    placements = _check(run_on_ranks(4, _train, kind, (4,), ("tp",)), None)
+    # Forward: all-reduces of the embedding lookup and of o_proj and down_proj in each of the 2 layers;
+    # one all-gather of the vocab-sharded logits (colwise_gather_output).
+    placements = _check(run_on_ranks(4, _train, kind, (4,), ("tp",)), {"all_reduce": 5, "all_gather": 1})
     from shardprop import Replicate, Shard
     assert placements["model.embed_tokens.weight"] == (Shard(0),)
     assert placements["model.layers.0.self_attn.k_proj.weight"] == (Shard(0),)
@@ -121,7 +128,11 @@ def test_dense_model_on_tp4_from_its_plan(kind):
 
 @pytest.mark.parametrize("shape,names", [((4,), ("ep",)), ((2, 2), ("ep", "tp"))], ids=["ep4", "ep2xtp2"])
 def test_mixtral_from_its_plans(shape, names):
-    placements = _check(run_on_ranks(4, _train, "mixtral", shape, names), None)
+    # Forward, per MoE layer (2): counts, tokens there, tokens back (all-to-alls over ep). ep x tp also
+    # has tp's all-reduces: the embedding, o_proj and the experts' partial outputs per layer, and the
+    # logits' all-gather.
+    comms = {"all_to_all": 6} if names == ("ep",) else {"all_to_all": 6, "all_reduce": 5, "all_gather": 1}
+    placements = _check(run_on_ranks(4, _train, "mixtral", shape, names), comms)
     from shardprop import Replicate, Shard
     experts = "model.layers.0.mlp.experts."
     if names == ("ep",):
@@ -132,6 +143,14 @@ def test_mixtral_from_its_plans(shape, names):
         assert placements[experts + "gate_up_proj"] == (Shard(0), Replicate())
         assert placements[experts + "down_proj"] == (Shard(0), Shard(2))
         assert placements["model.layers.1.self_attn.q_proj.weight"] == (Shard(0),)
+
+
+def test_mixtral_experts_on_tp4_from_its_tp_plan():
+    """moe_tp_experts (with packed_colwise gate_up_proj and rowwise down_proj): each expert's hidden dim over tp."""
+    placements = _check(run_on_ranks(4, _train, "mixtral-kv4", (4,), ("tp",)), {"all_reduce": 5, "all_gather": 1})
+    from shardprop import Replicate, Shard
+    assert placements["model.layers.1.mlp.experts.gate_up_proj"] == (Replicate(),)
+    assert placements["model.layers.1.mlp.experts.down_proj"] == (Shard(2),)
 
 
 def _refusals():
