@@ -45,7 +45,7 @@ def _loss(model, ids, tgt, total):
 
 
 def _train(kind, shape, names, ac=False):
-    from shardprop import DTensor, comm_counter, init_device_mesh, parallelize_hf
+    from shardprop import DTensor, comm_counter, expert_load, init_device_mesh, parallelize_hf
     cfg, cls = _config(kind)
     torch.manual_seed(0)
     ref = cls(cfg)
@@ -87,6 +87,8 @@ def _train(kind, shape, names, ac=False):
             comms = {k: v[0] for k, v in c.counts.items()}
             loss.backward()
         comms["backward all_to_all"] = c.counts.get("all_to_all", (0, 0))[0] - comms.get("all_to_all", 0)
+        if has_ep:  # every (token, slot) pair of the whole batch reached one expert
+            comms["tokens routed"] = sum(expert_load(model.model.layers[1].mlp.experts).tokens_per_expert)
         whole = loss.detach().clone()
         if has_ep:
             dist.all_reduce(whole, group=ep_group)
@@ -139,6 +141,7 @@ def test_mixtral_from_its_plans(shape, names, ac):
     # Backward: the two token moves of each layer inverted; checkpointed, the layer's forward first (3 more).
     comms = {"all_to_all": 6} if names == ("ep",) else {"all_to_all": 6, "all_reduce": 5, "all_gather": 1}
     comms["backward all_to_all"] = 10 if ac else 4
+    comms["tokens routed"] = BATCH * SEQ * 2  # top-2
     placements = _check(run_on_ranks(4, _train, "mixtral", shape, names, ac=ac), comms)
     from shardprop import Replicate, Shard
     experts = "model.layers.0.mlp.experts."
@@ -166,10 +169,12 @@ def _refusals():
     cfg, cls = _config("llama")
     torch.manual_seed(0)
     msgs = []
-    for plan_cfg, plan in ((cfg, {"model.layers.*.self_attn.q_proj": "sequence_parallel"}), (None, None)):
-        if plan_cfg is None:  # GQA: 2 key/value heads cannot split over tp=4
-            plan_cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                                num_key_value_heads=2, num_hidden_layers=1, vocab_size=VOCAB)
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1, vocab_size=VOCAB)
+    for plan_cfg, plan in ((cfg, {"model.layers.*.self_attn.q_proj": "sequence_parallel"}),
+                           # GQA: 2 key/value heads cannot split over tp=4
+                           (transformers.LlamaConfig(num_key_value_heads=2, **small), None),
+                           # lm_head and embed_tokens share one weight, under two entries
+                           (transformers.LlamaConfig(tie_word_embeddings=True, **small), None)):
         try:
             parallelize_hf(cls(plan_cfg), mesh, tp_plan=plan)
             msgs.append(None)
@@ -179,6 +184,7 @@ def _refusals():
 
 
 def test_unsupported_plans_are_refused_by_name():
-    for unknown, heads in run_on_ranks(4, _refusals):
+    for unknown, heads, tied in run_on_ranks(4, _refusals):
         assert unknown and "'sequence_parallel'" in unknown and "model.layers.0.self_attn.q_proj" in unknown, unknown
         assert heads and "num_key_value_heads=2" in heads and "tp=4" in heads, heads
+        assert tied and "tied weights" in tied and "lm_head.weight" in tied, tied

@@ -55,6 +55,7 @@ class _Layout:
         self.mesh, self.ep, self.tp, self.num_experts, self.name = mesh, ep, tp, num_experts, name
         self.hidden = hidden
         self.calls: List[_Call] = []  # a stack: nested or re-entrant forwards (activation checkpointing)
+        self.last = None  # the route of the last dispatch over ep, read by stats.expert_load
 
 
 def _check_module(module: nn.Module, name: str) -> None:
@@ -126,6 +127,8 @@ class HFExperts(ParallelStyle):
         lay = _Layout(mesh, ep, tp, e, hidden, name)
         # The module's own forward runs on its local experts: as transformers' EP, it counts only those.
         module.num_experts = e // (mesh.shape[ep] if ep is not None else 1)
+        if ep is not None:
+            module._shardprop_expert_routes = lay  # expert_load(module): tokens per expert of the last forward
         module.register_forward_pre_hook(functools.partial(_dispatch_hook, lay), with_kwargs=True)
         # always_call: the swapped-in local weights are put back even when the forward raises.
         module.register_forward_hook(functools.partial(_combine_hook, lay), with_kwargs=True, always_call=True)
@@ -178,6 +181,7 @@ def _dispatch_hook(lay: _Layout, module, args, kwargs):
     route = None
     if lay.ep is not None:
         pairs, counts, route = routing.dispatch(pairs, counts, lay.mesh, lay.ep, lay.num_experts, width=x.shape[1])
+        lay.last = route
     if lay.tp is not None:  # the tokens are the same on every tp rank: their gradient is summed over tp
         pairs = tensor_parallel.copy_in(pairs, lay.mesh, lay.tp)
     local_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts.to(x.device))
