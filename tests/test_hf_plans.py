@@ -45,7 +45,7 @@ def _loss(model, ids, tgt, total):
 
 
 def _train(kind, shape, names, ac=False):
-    from shardprop import DTensor, comm_counter, expert_load, init_device_mesh, parallelize_hf
+    from shardprop import DTensor, comm_counter, expert_load, explain, init_device_mesh, parallelize_hf
     cfg, cls = _config(kind)
     torch.manual_seed(0)
     ref = cls(cfg)
@@ -61,6 +61,11 @@ def _train(kind, shape, names, ac=False):
         model.train()
 
     placements = {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    moves = None
+    if names == ("ep",):  # explain() shows each MoE layer's token moves
+        with explain() as ex, torch.no_grad():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        moves = [(r.op, [k for _, k, _, _ in r.collectives]) for r in ex.records if r.is_fast_path]
     errors, checked, losses = [], 0, []
 
     def close(name, got, want):
@@ -103,12 +108,13 @@ def _train(kind, shape, names, ac=False):
         opt.zero_grad()
         for name, p in model.named_parameters():
             close(f"step {step} param {name}", p.full_tensor() if isinstance(p, DTensor) else p, ref_params[name])
-    return errors, checked, losses, placements, len(ref_params), comms
+    return errors, checked, losses, placements, len(ref_params), comms, moves
 
 
-def _check(out, comms):
+def _check(out, comms, moves=None):
     """No mismatch on any rank; the model trained; the last forward's collectives are ``comms``."""
-    for errors, checked, losses, _, n, got in out:
+    for errors, checked, losses, _, n, got, seen in out:
+        assert seen == moves, seen
         assert not errors, "\n".join(errors[:20])
         assert checked == STEPS * (1 + n)
         assert losses[0] != losses[-1]  # it trained
@@ -142,7 +148,10 @@ def test_mixtral_from_its_plans(shape, names, ac):
     comms = {"all_to_all": 6} if names == ("ep",) else {"all_to_all": 6, "all_reduce": 5, "all_gather": 1}
     comms["backward all_to_all"] = 10 if ac else 4
     comms["tokens routed"] = BATCH * SEQ * 2  # top-2
-    placements = _check(run_on_ranks(4, _train, "mixtral", shape, names, ac=ac), comms)
+    # explain() (ep=4): per layer, the dispatch (counts and tokens all-to-alls) and the combine.
+    moves = [("moe_dispatch", ["all_to_all", "all_to_all"]), ("moe_combine", ["all_to_all"])] * 2
+    placements = _check(run_on_ranks(4, _train, "mixtral", shape, names, ac=ac), comms,
+                        moves if names == ("ep",) else None)
     from shardprop import Replicate, Shard
     experts = "model.layers.0.mlp.experts."
     if names == ("ep",):

@@ -16,6 +16,8 @@ all-to-all); the module then runs top-1 with unit weights on its local experts (
 set to the local count, as transformers' own expert parallelism does), on local weight tensors
 swapped in for the forward. After it: the partial outputs are all-reduced over tp, sent back
 (:func:`routing.combine`), put back in (token, slot) order, weighted by ``top_k_weights`` and summed.
+``explain()`` shows the dispatch and combine as ``moe_dispatch`` / ``moe_combine`` moves and
+``expert_load(module)`` the tokens per expert, as for ``ExpertParallel``.
 
 Layouts: both weights ``Shard(0)`` over ep. Over tp, ``down_proj`` is ``Shard(2)`` (each rank a slice
 of the hidden dim); ``gate_up_proj`` packs the gate and up halves along one dim, which a plain
@@ -35,6 +37,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from shardprop.dispatch import fast_paths
 from shardprop.parallel.ep import routing, tensor_parallel
 from shardprop.parallel.styles import ParallelStyle, distribute_params
 from shardprop.tensor.placement import Partial, Replicate, Shard
@@ -180,7 +183,13 @@ def _dispatch_hook(lay: _Layout, module, args, kwargs):
                          f"the module has {lay.num_experts} experts")
     route = None
     if lay.ep is not None:
-        pairs, counts, route = routing.dispatch(pairs, counts, lay.mesh, lay.ep, lay.num_experts, width=x.shape[1])
+        dispatch = functools.partial(routing.dispatch, width=x.shape[1])
+        if fast_paths.recording():  # inside explain(): the token moves, as ExpertParallel's
+            pairs, counts, route = fast_paths.run_recorded(
+                "moe_dispatch", f"HFExperts dispatch on {lay.name!r}", ((Shard(0),),), (lay.ep,),
+                dispatch, pairs, counts, lay.mesh, lay.ep, lay.num_experts)
+        else:
+            pairs, counts, route = dispatch(pairs, counts, lay.mesh, lay.ep, lay.num_experts)
         lay.last = route
     if lay.tp is not None:  # the tokens are the same on every tp rank: their gradient is summed over tp
         pairs = tensor_parallel.copy_in(pairs, lay.mesh, lay.tp)
@@ -199,7 +208,10 @@ def _combine_hook(lay: _Layout, module, args, kwargs, output):
         return None
     if lay.tp is not None:  # each tp rank computed its hidden slice: partial sums
         output = tensor_parallel.reduce_out(output, lay.mesh, lay.tp)
-    if call.route is not None:
+    if call.route is not None and fast_paths.recording():
+        output = fast_paths.run_recorded("moe_combine", f"HFExperts combine on {lay.name!r}", (), (lay.ep,),
+                                         routing.combine, output, call.route)
+    elif call.route is not None:
         output = routing.combine(output, call.route)
     inverse = torch.empty_like(call.order)
     inverse[call.order] = torch.arange(call.order.numel(), device=call.order.device)
