@@ -197,3 +197,30 @@ def test_unsupported_plans_are_refused_by_name():
         assert unknown and "'sequence_parallel'" in unknown and "model.layers.0.self_attn.q_proj" in unknown, unknown
         assert heads and "num_key_value_heads=2" in heads and "tp=4" in heads, heads
         assert tied and "tied weights" in tied and "lm_head.weight" in tied, tied
+
+
+def _bad_expert_ids():
+    from shardprop import DTensor, init_device_mesh, parallelize_hf
+    cfg, cls = _config("mixtral")
+    torch.manual_seed(0)
+    model = cls(cfg)
+    parallelize_hf(model, init_device_mesh("cpu", (4,), mesh_dim_names=("ep",)))
+    experts = model.model.layers[0].mlp.experts
+    x, w = torch.randn(3, 32), torch.full((3, 2), 0.5)
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    bad = idx.clone()
+    if dist.get_rank() == 1:
+        bad[1, 0] = 8  # 8 experts: ids 0..7
+    try:
+        experts(x, bad, w)
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    restored = all(isinstance(p, DTensor) for p in experts.parameters())
+    return msg, restored, tuple(experts(x, idx, w).shape)  # and the module still works
+
+
+def test_an_expert_id_out_of_range_on_one_rank_raises_on_every_rank():
+    for msg, restored, shape in run_on_ranks(4, _bad_expert_ids, timeout=60):
+        assert msg and "rank 1" in msg and "wrong number of experts" in msg and "outside 0..7" in msg, msg
+        assert restored and shape == (3, 32)

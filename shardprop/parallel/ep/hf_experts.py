@@ -177,19 +177,26 @@ def _dispatch_hook(lay: _Layout, module, args, kwargs):
     # (token, slot) pairs sorted by expert: the order routing.dispatch takes (stable: reproducible rows).
     order = torch.argsort(ids, stable=True)
     pairs = x.index_select(0, order // k)
-    counts = torch.bincount(ids, minlength=lay.num_experts)
-    if counts.numel() != lay.num_experts:
-        raise ValueError(f"HFExperts on {lay.name!r}: top_k_index holds expert id {int(ids.max())}, "
-                         f"the module has {lay.num_experts} experts")
+    bad = ids.numel() > 0 and bool((ids.min() < 0) | (ids.max() >= lay.num_experts))
+    if bad and lay.ep is None:  # every tp rank holds the same ids: each raises the same error
+        raise ValueError(f"HFExperts on {lay.name!r}: top_k_index holds expert ids outside 0..{lay.num_experts - 1}")
+    # An id out of range on one ep rank: counts of the wrong length make routing.dispatch raise on every
+    # ep rank (it exchanges each rank's verdict first), where raising here alone would leave the others waiting.
+    counts = (torch.zeros(lay.num_experts + 1, dtype=torch.int64) if bad
+              else torch.bincount(ids, minlength=lay.num_experts))
     route = None
     if lay.ep is not None:
         dispatch = functools.partial(routing.dispatch, width=x.shape[1])
-        if fast_paths.recording():  # inside explain(): the token moves, as ExpertParallel's
-            pairs, counts, route = fast_paths.run_recorded(
-                "moe_dispatch", f"HFExperts dispatch on {lay.name!r}", ((Shard(0),),), (lay.ep,),
-                dispatch, pairs, counts, lay.mesh, lay.ep, lay.num_experts)
-        else:
-            pairs, counts, route = dispatch(pairs, counts, lay.mesh, lay.ep, lay.num_experts)
+        try:
+            if fast_paths.recording():  # inside explain(): the token moves, as ExpertParallel's
+                pairs, counts, route = fast_paths.run_recorded(
+                    "moe_dispatch", f"HFExperts dispatch on {lay.name!r}", ((Shard(0),),), (lay.ep,),
+                    dispatch, pairs, counts, lay.mesh, lay.ep, lay.num_experts)
+            else:
+                pairs, counts, route = dispatch(pairs, counts, lay.mesh, lay.ep, lay.num_experts)
+        except ValueError as e:
+            raise ValueError(f"HFExperts on {lay.name!r} (top_k_index with an expert id outside "
+                             f"0..{lay.num_experts - 1} shows as the wrong number of experts): {e}") from e
         lay.last = route
     if lay.tp is not None:  # the tokens are the same on every tp rank: their gradient is summed over tp
         pairs = tensor_parallel.copy_in(pairs, lay.mesh, lay.tp)
@@ -202,10 +209,13 @@ def _dispatch_hook(lay: _Layout, module, args, kwargs):
 
 
 def _combine_hook(lay: _Layout, module, args, kwargs, output):
+    if output is None:  # the forward (or a hook before it) raised: always_call brings us here
+        # Put the weights back if this call's dispatch swapped them in (it did if they are not the parameters).
+        if lay.calls and module._parameters["down_proj"] is not lay.calls[-1].originals["down_proj"]:
+            module._parameters.update(lay.calls.pop().originals)
+        return None
     call = lay.calls.pop()
     module._parameters.update(call.originals)
-    if output is None:  # the forward raised (always_call): the weights are back, nothing to combine
-        return None
     if lay.tp is not None:  # each tp rank computed its hidden slice: partial sums
         output = tensor_parallel.reduce_out(output, lay.mesh, lay.tp)
     if call.route is not None and fast_paths.recording():
