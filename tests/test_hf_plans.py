@@ -1,9 +1,10 @@
 """parallelize_hf: tiny transformers models laid out from their own plans, on 4 gloo ranks, against one process.
 
 Every rank builds the same randomly initialised model from its config (one seed, no download);
-a copy on each rank runs the whole batch as the reference. Llama and Qwen2 (GQA: 8 query heads,
-4 key/value heads) on tp=4 from ``model.tp_plan`` (embedding_rowwise, colwise, rowwise,
-colwise_gather_output); Mixtral from ``model.ep_plan`` (ep_dispatch_experts, grouped_gemm) on ep=4,
+a copy on each rank runs the whole batch as the reference. Llama, Qwen2 and Qwen3 (GQA: 8 query
+heads, 4 key/value heads) on tp=4 from ``model.tp_plan`` (embedding_rowwise, colwise, rowwise,
+colwise_gather_output; Qwen3's replicated_with_grad_allreduce q_norm / k_norm); Mixtral's experts on
+tp=4 from its tp plan (moe_tp_experts); Mixtral from ``model.ep_plan`` (ep_dispatch_experts, grouped_gemm) on ep=4,
 and on ep=2 x tp=2 with its tp plan on attention (GQA 4/2) and the experts split over ep x tp.
 With ep each rank (or tp pair) runs its share of the batch, and the parameters outside the
 experts are data parallel over ep (their gradients summed here by hand). Losses over 3 AdamW
@@ -30,6 +31,9 @@ def _config(kind):
     if kind == "llama":
         return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                         num_key_value_heads=4, **common), transformers.LlamaForCausalLM
+    if kind == "qwen3":  # q_norm / k_norm on this rank's heads: replicated_with_grad_allreduce
+        return transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=8, head_dim=8,
+                                        num_key_value_heads=4, **common), transformers.Qwen3ForCausalLM
     if kind == "qwen2":
         return transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=8,
                                         num_key_value_heads=4, **common), transformers.Qwen2ForCausalLM
@@ -122,7 +126,7 @@ def _check(out, comms, moves=None):
     return out[0][3]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_dense_model_on_tp4_from_its_plan(kind):
     # Forward: all-reduces of the embedding lookup and of o_proj and down_proj in each of the 2 layers;
     # one all-gather of the vocab-sharded logits (colwise_gather_output).

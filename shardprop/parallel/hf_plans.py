@@ -14,25 +14,52 @@ rowwise_split_input, rowwise_rep      RowwiseParallel(input_layouts=Replicate())
 embedding_rowwise                     RowwiseParallel(input_layouts=Replicate()) on the Embedding (vocab)
 embedding_colwise                     ColwiseParallel(output_layouts=Replicate()) on the Embedding (dim)
 replicate                             nothing (the parameter stays a plain, replicated tensor)
+replicated_with_grad_allreduce        GradSumOverTP(): plain parameters, gradients summed over tp
 moe_tp_experts (+ its parameters'     HFExperts over tp (each expert's hidden dim)
   packed_colwise / rowwise)
 ep_dispatch_experts (+ grouped_gemm)  HFExperts over ep (experts), and over ep x tp on a 2-d mesh
 
 As in transformers, an ep plan takes precedence over tp rules on the experts. Any other string (e.g.
-``sequence_parallel``, ``packed_rowwise``, ``mla_kv_a_proj``, ``replicated_with_grad_allreduce``, ``all_reduce``)
+``sequence_parallel``, ``packed_rowwise``, ``mla_kv_a_proj``, ``all_reduce``, ``local_params``)
 raises a ValueError naming the string and the module.
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from torch import nn
 
+from shardprop.mesh import collectives
 from shardprop.parallel.ep.hf_experts import HFExperts
 from shardprop.parallel.parallelize import match_submodules, parallelize_module
 from shardprop.parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
 from shardprop.tensor.placement import Replicate
+
+class GradSumOverTP(ParallelStyle):
+    """Parameters kept whole (plain tensors) on every tp rank, their gradients summed over tp.
+
+    For a module that runs on this rank's slice of a sharded activation with shared weights, e.g.
+    Qwen3's per-head ``q_norm`` / ``k_norm`` between a colwise projection and attention: each rank
+    sees only its heads, so its gradient is a partial sum. A hook on each parameter all-reduces it
+    (once per backward: the hook sees the gradient summed over the parameter's uses).
+
+    Example:
+        >>> parallelize_module(model, tp_mesh, {"layers.*.self_attn.q_norm": GradSumOverTP()})  # doctest: +SKIP
+    """
+
+    def _apply(self, module: nn.Module, mesh, name: str = "") -> nn.Module:
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(functools.partial(_sum_over, mesh))  # a partial: torch.save(model) pickles it
+        return module
+
+
+def _sum_over(mesh, grad: torch.Tensor) -> torch.Tensor:
+    return collectives.all_reduce(grad, mesh, 0)
+
 
 # Module-level plan strings -> a factory of the shardprop style (fresh per use: styles carry src_data_rank).
 _TP_STYLES = {
@@ -44,6 +71,7 @@ _TP_STYLES = {
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "replicated_with_grad_allreduce": lambda: GradSumOverTP(),
 }
 # Strings on the parameters of an experts module, whose module entry says how it is laid out.
 _EXPERT_PARAM_STRINGS = {"moe_tp_experts": {"packed_colwise", "rowwise"}, "ep_dispatch_experts": {"grouped_gemm"}}
@@ -162,4 +190,4 @@ def parallelize_hf(model: nn.Module, mesh, *, tp_plan: Optional[Dict[str, str]] 
     return model
 
 
-__all__ = ["parallelize_hf", "SUPPORTED"]
+__all__ = ["GradSumOverTP", "parallelize_hf", "SUPPORTED"]
