@@ -60,3 +60,6 @@ from shardprop.dispatch.fast_paths import fast_paths, fast_paths_enabled, set_fa
 __all__ += ["fast_paths", "fast_paths_enabled", "set_fast_paths"]
 from shardprop.parallel.ep import ExpertLoad, ExpertParallel, ExpertTensorParallel, expert_load  # noqa: E402
 __all__ += ["ExpertParallel", "ExpertTensorParallel", "ExpertLoad", "expert_load"]
+from shardprop.parallel.ep.hf_experts import HFExperts  # noqa: E402
+from shardprop.parallel.hf_plans import parallelize_hf  # noqa: E402
+__all__ += ["HFExperts", "parallelize_hf"]

@@ -5,6 +5,8 @@ batch" to "grouped by the experts this rank holds" and back, by uneven all-to-al
 split sizes are exchanged at run time); ``style`` the ``ExpertParallel`` and ``ExpertTensorParallel`` (ep x tp) styles that
 ``parallelize_module`` applies to a module with torchtitan's ``GroupedExperts`` contract
 (``tensor_parallel``: the all-reduces of the tp region);
+``hf_experts`` the ``HFExperts`` style for transformers' experts modules (``gate_up_proj``/``down_proj``,
+``forward(hidden_states, top_k_index, top_k_weights)``) on the same routing;
 ``stats`` the tokens per expert and the load imbalance of the last forward.
 
 Example:
@@ -13,5 +15,6 @@ Example:
 from shardprop.parallel.ep.routing import Route, combine, dispatch
 from shardprop.parallel.ep.stats import ExpertLoad, expert_load, local_load
 from shardprop.parallel.ep.style import ExpertParallel, ExpertTensorParallel
+from shardprop.parallel.ep.hf_experts import HFExperts
 
-__all__ = ["ExpertLoad", "ExpertParallel", "ExpertTensorParallel", "Route", "combine", "dispatch", "expert_load", "local_load"]
+__all__ = ["HFExperts", "ExpertLoad", "ExpertParallel", "ExpertTensorParallel", "Route", "combine", "dispatch", "expert_load", "local_load"]
