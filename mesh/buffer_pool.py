@@ -14,8 +14,8 @@ holder of ``t.untyped_storage()`` (torch returns the pool's own handle object) r
 object's Python refcount. A buffer is handed out again only when both show the pool alone. Anything unusual (torch without the count, shared memory, a resized storage, a
 device other than CPU, tensors torch.compile traces) allocates normally.
 
-Bounded: only buffers of at least ``MIN_BYTES``; at most ``MAX_BUFFERS`` kept and
-``MAX_BYTES`` in all; the least recently used are forgotten first (forgetting a buffer in
+Bounded: only buffers of at least ``MIN_BYTES``; at most the settings ``buffer_max_buffers`` kept and
+``buffer_max_bytes`` in all; the least recently used are forgotten first (forgetting a buffer in
 use is harmless: its holders keep it). Off with ``set_buffer_reuse(False)``.
 """
 from __future__ import annotations
@@ -27,18 +27,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from shardprop.mesh import compat
+from shardprop.mesh import compat, config
+from shardprop.mesh.config import values as _settings
 
 # Below this a fresh buffer is as fast (glibc reuses freed memory) and taking one from the pool
 # costs more: measured on 4 gloo ranks, a 1 MB all-gather output is 4-11% faster fresh, a 2 MB one
 # 16% faster pooled.
 MIN_BYTES = 3 << 19          # 1.5 MB
-MAX_BUFFERS = 16
-MAX_BYTES = 1 << 30          # kept memory, in use or not
 
 # torch's count of the references to a storage (absent: never reuse).
 _use_count = compat.storage_use_count
-_enabled = _use_count is not None
+_USABLE = _use_count is not None
 _lock = threading.Lock()
 # storage address (StorageImpl*) -> (nbytes, UntypedStorage handle); most recently used last.
 _kept: "OrderedDict[int, tuple]" = OrderedDict()
@@ -56,14 +55,17 @@ def set_buffer_reuse(enabled: bool, *, max_bytes: Optional[int] = None, max_buff
     Example:
         >>> set_buffer_reuse(False); set_buffer_reuse(True, max_bytes=256 << 20)
     """
-    global _enabled, MAX_BYTES, MAX_BUFFERS
+    # The watchers below forget or evict what the new settings no longer allow.
+    if max_bytes is not None:
+        config.set("buffer_max_bytes", max_bytes)
+    if max_buffers is not None:
+        config.set("buffer_max_buffers", max_buffers)
+    config.set("buffer_reuse", enabled)
+
+
+def _follow_settings(_value) -> None:
     with _lock:
-        _enabled = bool(enabled) and _use_count is not None
-        if max_bytes is not None:
-            MAX_BYTES = int(max_bytes)
-        if max_buffers is not None:
-            MAX_BUFFERS = int(max_buffers)
-        if not _enabled:
+        if not (_settings.buffer_reuse and _USABLE):
             _forget_all()
         else:
             _evict()
@@ -76,7 +78,7 @@ def buffer_reuse_enabled() -> bool:
         >>> isinstance(buffer_reuse_enabled(), bool)
         True
     """
-    return _enabled
+    return _settings.buffer_reuse and _USABLE
 
 
 def clear() -> None:
@@ -104,7 +106,7 @@ def plain(t: torch.Tensor) -> bool:
         >>> plain(torch.ones(1)) == buffer_reuse_enabled()
         True
     """
-    return _enabled and type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return _settings.buffer_reuse and _USABLE and type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -189,7 +191,7 @@ def _take(nbytes: int) -> torch.UntypedStorage:
 def _evict() -> None:
     """Forget the least recently used buffers beyond the bounds (under the lock)."""
     global _kept_bytes
-    while _kept and (len(_kept) > MAX_BUFFERS or _kept_bytes > MAX_BYTES):
+    while _kept and (len(_kept) > _settings.buffer_max_buffers or _kept_bytes > _settings.buffer_max_bytes):
         _, (size, _) = _kept.popitem(last=False)
         _kept_bytes -= size
 
@@ -219,3 +221,7 @@ def holds(t: torch.Tensor) -> int:
     if not _kept:
         return 0
     return 1 if t.untyped_storage()._cdata in _kept else 0
+
+
+for _name in ("buffer_reuse", "buffer_max_bytes", "buffer_max_buffers"):
+    config.watch(_name, _follow_settings)

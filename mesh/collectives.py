@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardprop.mesh import buffer_pool, compat, staging
+from shardprop.mesh.config import values as _settings
 from shardprop.mesh import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
@@ -222,7 +223,7 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     t = wait_all(t).contiguous()
     if not t.ndim:  # a 0-d piece gathers into a 1-d tensor (the backends want matching ranks)
         t = t.reshape(1)
-    if (not t.is_cpu or staging._forced) and _staged("all_gather", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("all_gather", t, group):
         return _done(staging.to_device(_on_host(all_gather, t, mesh, dims), t), async_op, finish, finish_shape)
     if _counters:
         _count("all_gather", t)
@@ -252,7 +253,7 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
-    if (not t.is_cpu or staging._forced) and _staged("reduce_scatter", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("reduce_scatter", t, group):
         out = staging.to_device(_on_host(reduce_scatter, t, mesh, dims, op), t)
         return _done(out, async_op, finish, finish_shape)
     if _counters:
@@ -288,7 +289,7 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
         # layout the collective would give (``t`` itself in place, else a fresh contiguous copy).
         out = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
         return _done(out, async_op)
-    if (not t.is_cpu or staging._forced) and _staged("all_reduce", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("all_reduce", t, group):
         host = _on_host(all_reduce, t, mesh, dims, op, inplace=True)
         return _done(t.copy_(host) if inplace else staging.to_device(host, t), async_op)
     if type(t) is not torch.Tensor and is_traced(t):
@@ -356,7 +357,7 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
             work.wait()
         return _finish(out, work, async_op, finish, finish_shape)
     t = wait_all(t).contiguous()
-    if (not t.is_cpu or staging._forced) and _staged("all_to_all", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("all_to_all", t, group):
         host = _on_host(all_to_all, t, mesh, dims, output_split_sizes, input_split_sizes)
         out = out.copy_(host) if out is not None else staging.to_device(host, t)
         return _done(out, async_op, finish, finish_shape)
@@ -404,7 +405,7 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     """
     group, ranks, _ = resolve(mesh, dims)
     t = wait_all(t)
-    if (not t.is_cpu or staging._forced) and _staged("broadcast", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("broadcast", t, group):
         return _done(t.copy_(_on_host(broadcast, t, mesh, dims, src)), async_op)
     if _counters:
         _count("broadcast", t)
@@ -424,7 +425,7 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
     """
     group, ranks, _ = resolve(mesh, dims)
     me = dist.get_rank()
-    if (not out.is_cpu or staging._forced) and _staged("scatter", out, group):
+    if (not out.is_cpu or _settings.force_staging) and _staged("scatter", out, group):
         with staging.host_call():
             host = scatter([staging.to_host(c) for c in chunks] if me == ranks[src] else None,
                            staging.host_empty(out), mesh, dims, src)
@@ -474,7 +475,7 @@ def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torc
         >>> all_gather_into_views([a, b], [x1, x2], full, mesh, 0)  # 2 ranks  # doctest: +SKIP
     """
     group, _, _ = resolve(mesh, dims)
-    if inputs and (not inputs[0].is_cpu or staging._forced) and _staged("all_gather_views", inputs[0], group):
+    if inputs and (not inputs[0].is_cpu or _settings.force_staging) and _staged("all_gather_views", inputs[0], group):
         # Host outputs of their own (not views of one host buffer): each is copied into its view after.
         houts = [staging.host_empty(o) for o in outputs]
         with staging.host_call():
@@ -538,7 +539,7 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
         >>> send_recv([(mine, 1, 0)], [(out, 1, 0)], p2p_group(mesh), out)  # ranks 0 and 1 swap  # doctest: +SKIP
     """
     probe = sends[0][0] if sends else recvs[0][0] if recvs else result
-    if (not probe.is_cpu or staging._forced) and _staged("send_recv", probe, group):
+    if (not probe.is_cpu or _settings.force_staging) and _staged("send_recv", probe, group):
         return _send_recv_staged(sends, recvs, group, result, async_op, finish, finish_shape, keep)
     if _counters:
         for t, _, _ in sends:

@@ -37,12 +37,14 @@ Example:
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from shardprop.mesh import config
+from shardprop.mesh.config import values as _settings
 
 DIRECT, STAGE, UNSUPPORTED = "direct", "stage", "unsupported"
 CALLS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "scatter", "all_gather_views",
@@ -55,9 +57,6 @@ TABLE: Dict[Tuple[str, str], Dict[str, str]] = {
 }
 
 _MODES = ("", "cuda", "all")
-_forced = os.environ.get("SHARDPROP_FORCE_STAGING", "")
-if _forced not in _MODES:
-    raise ValueError(f"SHARDPROP_FORCE_STAGING={_forced!r}: want one of 'cuda', 'all' or unset")
 _inside = 0  # > 0 while a staged call runs its host copy (never staged again)
 # Staged calls by kind since the last ``stats.clear()`` (tests check that staging really ran).
 stats: Dict[str, int] = {}
@@ -116,7 +115,7 @@ def forced() -> str:
         >>> forced() in ("", "cuda", "all")
         True
     """
-    return _forced if not _inside else ""
+    return _settings.force_staging if not _inside else ""
 
 
 def force(mode: str) -> str:
@@ -128,11 +127,9 @@ def force(mode: str) -> str:
         >>> old = force("all"); force(old)
         'all'
     """
-    global _forced
     if mode not in _MODES:
         raise ValueError(f"shardprop staging: mode {mode!r}; want one of {_MODES}")
-    old, _forced = _forced, mode
-    return old
+    return config.set("force_staging", mode)
 
 
 def decide(call: str, t: torch.Tensor, group) -> str:

@@ -1,4 +1,5 @@
 """shardprop: a from-scratch DTensor engine for PyTorch."""
+from shardprop import config
 from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 from shardprop.mesh import DeviceMesh, init_device_mesh
@@ -40,7 +41,7 @@ __all__ = [
     "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain", "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
     "print_cache_stats", "register_sharding", "set_cache_size", "set_decompose_fallback", "set_fallback_to_replicate",
     "unregister_sharding", "full_state_dict", "load_full_state_dict", "enable_full_state_dict_loading",
-    "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "set_optimizer_foreach_default",
+    "config", "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "set_optimizer_foreach_default",
 ]
 
 # FSDP2's remaining public names (torch.distributed.fsdp), beside fully_shard / FSDPModule / MixedPrecisionPolicy.

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardprop.mesh import buffer_pool as bp
+from shardprop.mesh import config
 from tests.rankpool import run_on_ranks
 
 SHAPE = (512, 1024)  # 2 MB of float32: above MIN_BYTES
@@ -115,15 +116,15 @@ def test_small_cuda_traced_and_disabled_allocate_normally():
 
 
 def test_bounded_least_recently_used_first():
-    kept = [bp.empty(SHAPE, _like()) for _ in range(bp.MAX_BUFFERS + 3)]
-    assert len(bp._kept) == bp.MAX_BUFFERS
-    assert sum(1 for t in kept if bp.holds(t)) == bp.MAX_BUFFERS
+    kept = [bp.empty(SHAPE, _like()) for _ in range(config.values.buffer_max_buffers + 3)]
+    assert len(bp._kept) == config.values.buffer_max_buffers
+    assert sum(1 for t in kept if bp.holds(t)) == config.values.buffer_max_buffers
     assert not bp.holds(kept[0]) and bp.holds(kept[-1])
 
 
 def test_byte_bound():
     nbytes = SHAPE[0] * SHAPE[1] * 4
-    old = bp.MAX_BYTES
+    old = config.values.buffer_max_bytes
     try:
         bp.set_buffer_reuse(True, max_bytes=3 * nbytes)
         kept = [bp.empty(SHAPE, _like()) for _ in range(5)]

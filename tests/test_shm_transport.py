@@ -21,15 +21,10 @@ def _rank_data(shape, rank, salt=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * salt + rank))
 
 
-def _reattach(**env):
-    """Set ``env`` (None: unset) and set the transport up again (collective); returns the old values."""
-    from shardprop.mesh import shm_transport
-    old = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def _reattach(**settings):
+    """Change ``settings`` (config names) and set the transport up again (collective); returns the old values."""
+    from shardprop.mesh import config, shm_transport
+    old = {k: config.set(k, v) for k, v in settings.items()}
     shm_transport.detach()
     shm_transport.attach()
     return old
@@ -87,7 +82,7 @@ def _wrap_and_fill():
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
     from shardprop.mesh import shm_transport
-    old = _reattach(SHARDPROP_SHM_RING_MB="0.0625")
+    old = _reattach(shm_ring_mb=0.0625)
     try:
         mesh = init_device_mesh("cpu", (4,))
         t = shm_transport.active()
@@ -213,7 +208,7 @@ def _ring_sizes_differ():
     from shardprop.mesh import collectives as C
     from shardprop.mesh import shm_transport
     me = dist.get_rank()
-    old = _reattach(SHARDPROP_SHM_RING_MB="0.0625" if me == 0 else "1")
+    old = _reattach(shm_ring_mb=0.0625 if me == 0 else 1)
     try:
         mesh = init_device_mesh("cpu", (4,))
         big = _rank_data((64, 512), me, 7)  # 128 KB: streamed in 32 KB chunks
@@ -231,7 +226,7 @@ def _switched_off():
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
     from shardprop.mesh import shm_transport
-    old = _reattach(SHARDPROP_SHM_TRANSPORT="0")
+    old = _reattach(shm_transport=False)
     try:
         off = shm_transport.active() is None
         mesh = init_device_mesh("cpu", (4,))

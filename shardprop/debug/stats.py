@@ -7,10 +7,10 @@ This module only reads those counters: the engine never imports it.
 from __future__ import annotations
 
 import atexit
-import os
 from typing import List
 
 from shardprop.dispatch import dispatcher, propagate
+from shardprop.mesh.config import values as _settings
 
 
 def cache_stats() -> List[dict]:
@@ -75,5 +75,5 @@ def _print_at_exit() -> None:
         print_cache_stats()
 
 
-if os.environ.get("SHARDPROP_CACHE_STATS") == "1":
+if _settings.cache_stats:
     atexit.register(_print_at_exit)

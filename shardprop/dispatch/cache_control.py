@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from shardprop.dispatch import dispatcher, propagate, registry
+from shardprop.mesh import config as _config
 
 
 def clear_cache() -> None:
@@ -35,6 +36,10 @@ def set_cache_size(n: int) -> None:
     Example:
         >>> shardprop.set_cache_size(1 << 20)  # doctest: +SKIP
     """
+    _config.set("cache_size", n)  # _resize follows
+
+
+def _resize(n) -> None:
     propagate.propagate = functools.lru_cache(maxsize=n)(propagate._propagate)
     dispatcher._propagate = propagate.propagate
     dispatcher._MEMO_SIZE = 1024 if n is None or n > 0 else 0  # no cache: nothing remembered either
@@ -53,3 +58,4 @@ def set_fallback_to_replicate(enabled: bool) -> None:
 
 
 registry._listeners.append(clear_cache)  # a new or removed rule invalidates cached strategies
+_config.watch("cache_size", _resize)

@@ -29,13 +29,14 @@ call takes the rule path (and raises the usual no-rule error).
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch
 
 from shardprop.dispatch import dispatcher as dispatch
 from shardprop.dispatch import propagate, registry
+from shardprop.mesh import config as _config
+from shardprop.mesh.config import values as _settings
 
 aten = torch.ops.aten
 
@@ -50,7 +51,6 @@ DEFAULT_OPS = ["norm.Scalar", "norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype", 
 NEVER = {"native_batch_norm.default", "_native_batch_norm_legit.default", "_native_batch_norm_legit.no_stats",
          "_native_batch_norm_legit_no_training.default"}
 
-_enabled = os.environ.get("SHARDPROP_DECOMPOSE", "0") == "1"
 _installed = set()  # ops this module installed a handler for
 _active = threading.local()  # ops whose decomposition is running on this thread
 
@@ -182,15 +182,13 @@ def set_decompose_fallback(enabled: bool) -> None:
         >>> shardprop.set_decompose_fallback(True)  # doctest: +SKIP
         >>> torch.nn.functional.glu(x)               # no rule for glu: runs its decomposition
     """
-    global _enabled
-    _enabled = bool(enabled)
-    _sync()
+    _config.set("decompose", enabled)  # its watcher, _sync, installs or removes the handlers
 
 
 def _sync() -> None:
     """Handlers exactly on the wanted ops that have no rule (a rule, even a later one, wins)."""
     wanted = set(_curated())
-    if _enabled:
+    if _settings.decompose:
         wanted.update(_all_decomposable())
     for op in list(_installed):
         if registry.lookup(op) is not None or (op not in wanted and composite_kernel(op) is None):
@@ -213,7 +211,7 @@ def _on_first_call(op):
 
 def decompose_fallback_enabled() -> bool:
     """Whether :func:`set_decompose_fallback` is on."""
-    return _enabled
+    return _settings.decompose
 
 
 def is_decomposed(op) -> bool:
@@ -241,6 +239,7 @@ def no_rule_hint(op) -> str:
             "decomposition of it through the dispatcher")
 
 
+_config.watch("decompose", lambda _on: _sync())
 _sync()
 registry._listeners.append(_sync)
 dispatch.first_call_hook = _on_first_call

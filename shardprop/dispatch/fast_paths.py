@@ -26,13 +26,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.mesh import collectives as _C
+from shardprop.mesh import config as _config
 
-_OFF = ("0", "false", "off", "no")
-enabled: bool = os.environ.get("SHARDPROP_FAST_PATHS", "1").strip().lower() not in _OFF
+# The switch is the setting ``fast_paths`` (config.values.fast_paths: one attribute load per check).
+settings = _config.values
 
 
 def set_fast_paths(on: bool) -> bool:
@@ -42,9 +42,7 @@ def set_fast_paths(on: bool) -> bool:
         >>> old = set_fast_paths(False); set_fast_paths(old)
         False
     """
-    global enabled
-    old, enabled = enabled, bool(on)
-    return old
+    return _config.set("fast_paths", on)
 
 
 def fast_paths_enabled() -> bool:
@@ -54,7 +52,7 @@ def fast_paths_enabled() -> bool:
         >>> fast_paths_enabled() in (True, False)
         True
     """
-    return enabled
+    return settings.fast_paths
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
+from shardprop.mesh.config import values as _settings
 from shardprop.mesh import collectives as C
 from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.grad_sync import ParamLocal
@@ -225,7 +226,7 @@ class FusedLinear:
     def forward(self, module, input):  # noqa: A002 (nn.Linear.forward's name: module(input=x) works)
         """The Linear's forward under the style: local matmul plus explicit collectives."""
         x = input
-        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor):
+        if not _settings.fast_paths or _is_compiling() or not isinstance(x, torch.Tensor):
             return self.hooked(module, x)
         ndim = x.ndim
         last = self.placements(Shard(-1), ndim)
@@ -261,7 +262,7 @@ class FusedLinear:
         the DTensor path.
         """
         x = input
-        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
+        if not _settings.fast_paths or _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
                 or not on_mesh(self.mesh, module.weight, None):
             return self.hooked(module, x)
         if _fast.recording():

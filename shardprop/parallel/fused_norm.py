@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
+from shardprop.mesh.config import values as _settings
 from shardprop.parallel.autograd_apply import direct_apply
 from shardprop.parallel.fused_linear import LocalOf, WrapLocal, on_mesh
 from shardprop.parallel.grad_sync import ParamLocal
@@ -60,7 +61,7 @@ class FusedNorm:
     def forward(self, module, input):  # noqa: A002 (the norms' forward argument name)
         """The norm on this rank's sequence piece; a Shard(seq) DTensor out (local with use_local_output)."""
         x = input
-        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor):
+        if not _settings.fast_paths or _is_compiling() or not isinstance(x, torch.Tensor):
             return self.hooked(module, x)
         ndim = x.ndim
         seq = self._seq.get(ndim)

@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from shardprop.dispatch import fast_paths as _fast
+from shardprop.mesh.config import values as _settings
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Replicate
@@ -77,7 +78,7 @@ class GradLike:
         placements = self.placements
         if not isinstance(grad, DTensor) or grad.placements == placements:
             return grad
-        dims = _reduced_dims(grad.placements, placements) if _fast.enabled else None
+        dims = _reduced_dims(grad.placements, placements) if _settings.fast_paths else None
         if dims is not None:
             node, p = _accumulator()
             if p is not None and _deferrable(p, node):
