@@ -41,7 +41,16 @@ _USABLE = _use_count is not None
 _lock = threading.Lock()
 # storage address (StorageImpl*) -> (nbytes, UntypedStorage handle); most recently used last.
 _kept: "OrderedDict[int, tuple]" = OrderedDict()
-_kept_bytes = 0
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("kept_bytes",)
+
+
+_state = _State()
+_state.kept_bytes = 0
 # Tally for tests and benches: buffers handed out again, and fresh ones kept.
 stats = {"reused": 0, "allocated": 0}
 
@@ -92,9 +101,8 @@ def clear() -> None:
 
 
 def _forget_all() -> None:
-    global _kept_bytes
     _kept.clear()
-    _kept_bytes = 0
+    _state.kept_bytes = 0
 
 
 def plain(t: torch.Tensor) -> bool:
@@ -166,7 +174,6 @@ _OWN_REFS = _python_refs_in_loop(OrderedDict([(0, (0, object()))]))
 
 def _take(nbytes: int) -> torch.UntypedStorage:
     """A storage of ``nbytes`` nobody holds, kept by the pool (a fresh one if none is free)."""
-    global _kept_bytes
     with _lock:
         for key, (size, storage) in _kept.items():
             if size != nbytes:
@@ -175,7 +182,7 @@ def _take(nbytes: int) -> torch.UntypedStorage:
                 # A resized or shared storage is not what was kept: forget it.
                 if storage.nbytes() != size or storage.is_shared():
                     del _kept[key]
-                    _kept_bytes -= size
+                    _state.kept_bytes -= size
                     break
                 _kept.move_to_end(key)
                 stats["reused"] += 1
@@ -183,17 +190,16 @@ def _take(nbytes: int) -> torch.UntypedStorage:
         storage = torch.UntypedStorage(nbytes)
         stats["allocated"] += 1
         _kept[storage._cdata] = (nbytes, storage)
-        _kept_bytes += nbytes
+        _state.kept_bytes += nbytes
         _evict()
         return storage
 
 
 def _evict() -> None:
     """Forget the least recently used buffers beyond the bounds (under the lock)."""
-    global _kept_bytes
-    while _kept and (len(_kept) > _settings.buffer_max_buffers or _kept_bytes > _settings.buffer_max_bytes):
+    while _kept and (len(_kept) > _settings.buffer_max_buffers or _state.kept_bytes > _settings.buffer_max_bytes):
         _, (size, _) = _kept.popitem(last=False)
-        _kept_bytes -= size
+        _state.kept_bytes -= size
 
 
 def idle_bytes() -> int:

@@ -57,7 +57,16 @@ TABLE: Dict[Tuple[str, str], Dict[str, str]] = {
 }
 
 _MODES = ("", "cuda", "all")
-_inside = 0  # > 0 while a staged call runs its host copy (never staged again)
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("inside",)
+
+
+_state = _State()
+_state.inside = 0  # > 0 while a staged call runs its host copy (never staged again)
 # Staged calls by kind since the last ``stats.clear()`` (tests check that staging really ran).
 stats: Dict[str, int] = {}
 
@@ -115,7 +124,7 @@ def forced() -> str:
         >>> forced() in ("", "cuda", "all")
         True
     """
-    return _settings.force_staging if not _inside else ""
+    return _settings.force_staging if not _state.inside else ""
 
 
 def force(mode: str) -> str:
@@ -165,12 +174,11 @@ def host_call() -> Iterator[None]:
         ...     forced()
         ''
     """
-    global _inside
-    _inside += 1
+    _state.inside += 1
     try:
         yield
     finally:
-        _inside -= 1
+        _state.inside -= 1
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -87,4 +87,4 @@ def fused_optimizer_options(ctx):
 
 
 rule(*FUSED_OPTIMIZER_OPS, per_dim=False)(fused_optimizer_options)
-dispatcher.POSITIONWISE.update(FUSED_OPTIMIZER_OPS)  # plain parameters beside DTensor ones: split by position
+dispatcher.register_positionwise(FUSED_OPTIMIZER_OPS)  # plain parameters beside DTensor ones: split by position

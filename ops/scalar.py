@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh.config import values as _settings
 from shardprop.dispatch.dispatcher import register_special
@@ -53,7 +54,7 @@ register_special(aten.is_same_size.default, _same_size, outside_safe=True)
 # (whose view wrappers need care) still take it, and so does everything with the fast paths off.
 def _detach(op, args, kwargs):
     from shardprop.dispatch import dispatcher
-    if kwargs or dispatcher.recorder is not None or torch.is_inference_mode_enabled() or not _settings.fast_paths:
+    if kwargs or _hooks.recorder is not None or torch.is_inference_mode_enabled() or not _settings.fast_paths:
         return dispatcher.run(op, args, kwargs)
     a = args[0]
     return dispatcher.wrap(a._local_tensor.detach(), a._spec)

@@ -128,7 +128,7 @@ def test_byte_bound():
     try:
         bp.set_buffer_reuse(True, max_bytes=3 * nbytes)
         kept = [bp.empty(SHAPE, _like()) for _ in range(5)]
-        assert sum(1 for t in kept if bp.holds(t)) == 3 and bp._kept_bytes == 3 * nbytes
+        assert sum(1 for t in kept if bp.holds(t)) == 3 and bp._state.kept_bytes == 3 * nbytes
     finally:
         bp.set_buffer_reuse(True, max_bytes=old)
 

@@ -23,7 +23,7 @@ def cache_stats() -> List[dict]:
         'aten.mm.default'
     """
     calls = dispatcher.call_counts()
-    live = propagate.propagate.cache_info().currsize
+    live = propagate.cache_info().currsize
     inserted = sum(propagate.inserted.values())
     # Exact unless the cache evicted entries; then each op's share of the live ones.
     scale = 1.0 if inserted <= live else live / inserted

@@ -33,6 +33,7 @@ import threading
 
 import torch
 
+from shardprop.dispatch import hooks as _hooks
 from shardprop.dispatch import dispatcher as dispatch
 from shardprop.dispatch import propagate, registry
 from shardprop.mesh import config as _config
@@ -141,7 +142,7 @@ def install(op) -> bool:
     """
     if _decomposition(op) is None:
         return False
-    current = dispatch.SPECIAL.get(op)
+    current = dispatch.special_handler(op)
     if current is not None and current is not _handler:
         return False  # another special handler owns this op
     dispatch.register_special(op, _handler, outside_safe=True)  # its ops come back through the dispatcher
@@ -151,9 +152,8 @@ def install(op) -> bool:
 
 def uninstall(op) -> None:
     """Undo :func:`install` (the op goes back to its rule, or the no-rule error)."""
-    if dispatch.SPECIAL.get(op) is _handler:
-        dispatch.SPECIAL.pop(op, None)
-        dispatch._OPS.pop(op, None)
+    if dispatch.special_handler(op) is _handler:
+        dispatch.unregister_special(op)
     _installed.discard(op)
 
 
@@ -194,7 +194,7 @@ def _sync() -> None:
         if registry.lookup(op) is not None or (op not in wanted and composite_kernel(op) is None):
             uninstall(op)
     for op in wanted:
-        if op not in _installed and registry.lookup(op) is None and op not in dispatch.SPECIAL:
+        if op not in _installed and registry.lookup(op) is None and dispatch.special_handler(op) is None:
             install(op)
     # A composite op seen before while it had a rule, whose rule is gone now: decompose it again.
     for op, rec in list(dispatch._OPS.items()):
@@ -221,7 +221,7 @@ def is_decomposed(op) -> bool:
         >>> is_decomposed(torch.ops.aten.mm.default)  # has a rule
         False
     """
-    return dispatch.SPECIAL.get(op) is _handler and registry.lookup(op) is None
+    return dispatch.special_handler(op) is _handler and registry.lookup(op) is None
 
 
 def no_rule_hint(op) -> str:
@@ -241,6 +241,6 @@ def no_rule_hint(op) -> str:
 
 _config.watch("decompose", lambda _on: _sync())
 _sync()
-registry._listeners.append(_sync)
-dispatch.first_call_hook = _on_first_call
-propagate.no_rule_hints.append(no_rule_hint)
+registry.add_listener(_sync)
+_hooks.set_first_call_hook(_on_first_call)
+propagate.add_no_rule_hint(no_rule_hint)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 
-from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.mesh import collectives as _C
 from shardprop.mesh import config as _config
 
@@ -85,7 +85,7 @@ class _Tap(_C.CommCounter):
 
 def recording() -> bool:
     """Whether a recorder (``explain()``) listens; fast paths then go through :func:`run_recorded`."""
-    return _dispatch.recorder is not None
+    return _hooks.recorder is not None
 
 
 def run_recorded(op: str, what: str, inputs: tuple, mesh_dims: tuple, fn, *args):
@@ -98,7 +98,7 @@ def run_recorded(op: str, what: str, inputs: tuple, mesh_dims: tuple, fn, *args)
     Example:
         >>> run_recorded("linear", "ColwiseParallel on 'up'", ((Replicate(),),), (0,), fwd, x)  # doctest: +SKIP
     """
-    rec = _dispatch.recorder
+    rec = _hooks.recorder
     if rec is None or not hasattr(rec, "record_fast"):
         return fn(*args)
     tap = _Tap()

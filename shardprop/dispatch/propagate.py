@@ -487,7 +487,42 @@ def _check_out(schema: OpSchema, out_specs, where):
     return tuple(names), tuple(given)
 
 
-propagate = functools.lru_cache(maxsize=_settings.cache_size)(_propagate)
+class _Cache:
+    """The propagation cache: ``fn`` is ``_propagate`` behind an LRU cache of ``cache_size`` entries.
+
+    ``memo_size``: answers the dispatcher remembers per op (none when the cache is off). Resized in
+    place (the setting's watcher), so the dispatcher's reference to this object stays valid.
+    """
+
+    __slots__ = ("fn", "memo_size")
+
+    def resize(self, n) -> None:
+        self.fn = functools.lru_cache(maxsize=n)(_propagate)
+        self.memo_size = 1024 if n is None or n > 0 else 0
+
+
+cache = _Cache()
+cache.resize(_settings.cache_size)
+_config.watch("cache_size", cache.resize)
+
+
+def propagate(schema: OpSchema) -> OutputSharding:
+    """The sharding of ``schema``'s op on its input specs, cached (see :data:`cache`).
+
+    Example:
+        >>> propagate(OpSchema(aten.mm.default, (a_spec, b_spec), ()))  # doctest: +SKIP
+    """
+    return cache.fn(schema)
+
+
+def cache_info():
+    """The propagation cache's statistics (``functools`` ``CacheInfo``: hits, misses, maxsize, currsize)."""
+    return cache.fn.cache_info()
+
+
+def cache_clear() -> None:
+    """Empty the propagation cache."""
+    cache.fn.cache_clear()
 
 
 def reset_miss_counts() -> None:
@@ -495,6 +530,15 @@ def reset_miss_counts() -> None:
     misses.clear()
     miss_seconds.clear()
     inserted.clear()
+
+
+def add_no_rule_hint(hint: Callable[[object], str]) -> None:
+    """Add ``hint(op) -> str`` to the error for ops without a rule (decompose: its opt-in).
+
+    Example:
+        >>> add_no_rule_hint(lambda op: "")  # doctest: +SKIP
+    """
+    no_rule_hints.append(hint)
 
 
 def set_fallback(enabled: bool) -> None:

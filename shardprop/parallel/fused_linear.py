@@ -75,7 +75,7 @@ class LocalOf(torch.autograd.Function):
         spec = ctx.grad_spec
         # The spec's strides must describe the gradient's memory order, not the forward's.
         if grad.is_contiguous():
-            spec = _contiguous_twin(spec)
+            spec = spec.contiguous()
         else:
             stride = stride_like(grad, spec.shape)
             if stride != spec.tensor_meta.stride:
@@ -103,13 +103,6 @@ class WrapLocal(torch.autograd.Function):
         if grad._spec.placements != want:
             return redistribute_local(grad._local_tensor, grad._spec, want), None
         return grad._local_tensor, None
-
-
-@functools.lru_cache(maxsize=4096)
-def _contiguous_twin(spec):
-    """``spec`` with contiguous strides (itself when they are): specs are interned, so this caches by identity."""
-    twin = make_spec(spec.mesh, spec.placements, spec.shape, None, spec.dtype)
-    return spec if twin.tensor_meta.stride == spec.tensor_meta.stride else twin
 
 
 class _CopyIn(torch.autograd.Function):
@@ -329,13 +322,12 @@ class FusedLinear:
         # so autograd sums their input gradients before the one collective that reduces them.
         if not (x.requires_grad and torch.is_grad_enabled()):
             return self._convert_input(x, want)
-        global _last_input
-        last = _last_input
+        last = _state.last_input
         if last is not None and last[0] is x and last[1] == x._version and last[2] is self.mesh \
                 and last[3] == self.in_layout:
             return last[4]
         out = self._convert_input(x, want)
-        _last_input = (x, x._version, self.mesh, self.in_layout, out)
+        _state.last_input = (x, x._version, self.mesh, self.in_layout, out)
         return out
 
     def _convert_input(self, x, want: tuple):
@@ -360,7 +352,16 @@ class FusedLinear:
 # The last replicated local input made with autograd recording: (input, its version, mesh, declared
 # input layout, local input). Cleared by the first backward through any node below, so it keeps an
 # activation alive only from one forward to its backward (or to the next forward).
-_last_input = None
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("last_input",)
+
+
+_state = _State()
+_state.last_input = None
 
 
 def on_mesh(mesh, *params) -> bool:
@@ -378,8 +379,7 @@ def on_mesh(mesh, *params) -> bool:
 
 
 def _forget_input() -> None:
-    global _last_input
-    _last_input = None
+    _state.last_input = None
 
 
 def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool,

@@ -21,8 +21,18 @@ from shardprop.tensor.placement import Replicate
 
 
 # Callables run on a module once distribute_module / parallelize_module has laid it out. Rooms above
-# this one add to it (shardprop.checkpoint: let load_state_dict take plain full tensors).
+# this one add to it through add_on_distributed (shardprop/assembly.py: load_state_dict takes plain full tensors).
 on_distributed: List[Callable[[nn.Module], None]] = []
+
+
+def add_on_distributed(hook: Callable[[nn.Module], None]) -> None:
+    """Run ``hook(module)`` on every module distribute_module / parallelize_module lays out (once per hook).
+
+    Example:
+        >>> add_on_distributed(lambda module: None)  # doctest: +SKIP
+    """
+    if hook not in on_distributed:
+        on_distributed.append(hook)
 
 
 def _distributed(module: nn.Module) -> nn.Module:
