@@ -61,3 +61,7 @@ def _detach(op, args, kwargs):
 
 
 register_special(aten.detach.default, _detach, outside_safe=True)  # local, or the rule path
+
+
+_fast.register("detach", "shardprop.ops.scalar._detach",
+               "the rule-based detach through the dispatcher", ("AccumulateGrad",))

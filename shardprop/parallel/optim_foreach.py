@@ -71,3 +71,7 @@ def _after_step(optimizer, args, kwargs):
 _handles = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step))
 
 __all__ = ["set_optimizer_foreach_default"]
+
+
+_fast.register("optimizer_foreach", "shardprop.parallel.optim_foreach",
+               "torch's per-parameter optimizer loop on DTensors (foreach left at None)", ("torch.optim",))
