@@ -19,9 +19,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool, compat, staging
+from shardprop.mesh.transport import buffer_pool, staging
+from shardprop.mesh import compat
 from shardprop.mesh.config import values as _settings
-from shardprop.mesh import direct_collectives as direct
+from shardprop.mesh.transport import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
 _all_gather_flat = compat.all_gather_flat
@@ -156,7 +157,7 @@ def _functional(kind: str, t: torch.Tensor, group, n: int, op: str = "sum", out_
     rop = "sum" if op == "avg" else op  # avg is a sum divided afterwards, as in eager
     device = t.device
     if device.type != "cpu" and staging.decide(kind, t, group) == staging.STAGE:
-        # Staged in the graph itself: to host, the collective, back (mesh/staging.py says where).
+        # Staged in the graph itself: to host, the collective, back (mesh/transport/staging.py says where).
         return _functional(kind, t.cpu(), group, n, op, out_split, in_split).to(device)
     if kind == "all_gather":
         out = f.all_gather_into_tensor(t, n, name)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from shardprop.mesh import compat
 from shardprop.mesh import groups as _groups
-from shardprop.mesh import shm_transport
+from shardprop.mesh.transport import shm_transport
 
 DimRef = Union[int, str]
 

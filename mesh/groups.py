@@ -49,7 +49,7 @@ def backend_for(device_type: str) -> str:
 
     A CUDA mesh in a world whose default group has no NCCL (``init_process_group("gloo")``, as
     for several ranks sharing one GPU: NCCL refuses two ranks on one device) gets gloo groups;
-    collectives then stage what gloo cannot carry on the GPU through host memory (mesh/staging.py).
+    collectives then stage what gloo cannot carry on the GPU through host memory (mesh/transport/staging.py).
 
     Example:
         >>> backend_for("cpu")

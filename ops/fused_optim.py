@@ -18,7 +18,7 @@ Placements per list position i:
 * 0-d tensors (steps; ``lr``, ``grad_scale``, ``found_inf`` as DTensors) are replicated.
 
 Left at torch's CPU default (``foreach=None``), a step over DTensor parameters takes the foreach
-kernels (``shardprop/parallel/optim_foreach.py``): one dispatch per list op, eight per AdamW
+kernels (``shardprop/parallel/fast/optim_foreach.py``): one dispatch per list op, eight per AdamW
 step; ``fused=True`` makes one per step. Ask for it as torch documents:
 
     >>> torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # doctest: +SKIP

@@ -19,21 +19,21 @@ from shardprop.dispatch.propagate import ShardingError
 from shardprop.dispatch.random_ops import manual_seed
 from shardprop.dispatch.registry import register_sharding, unregister_sharding
 from shardprop.mesh import DeviceMesh, init_device_mesh
-from shardprop.mesh.buffer_pool import buffer_reuse_enabled, set_buffer_reuse
+from shardprop.mesh.transport.buffer_pool import buffer_reuse_enabled, set_buffer_reuse
 from shardprop.mesh.collectives import CommCounter, comm_counter
-from shardprop.parallel.context_parallel import context_parallel, context_parallel_unshard
-from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients
+from shardprop.parallel.cp.context_parallel import context_parallel, context_parallel_unshard
+from shardprop.parallel.dp.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients
 from shardprop.parallel.ep import ExpertLoad, ExpertParallel, ExpertTensorParallel, expert_load
-from shardprop.parallel.fsdp_api import CPUOffloadPolicy, GradientReductionHandle, OffloadPolicy, UnshardHandle
-from shardprop.parallel.fsdp_module import register_fsdp_forward_method, share_comm_ctx
-from shardprop.parallel.fully_shard import FSDPModule, fully_shard
+from shardprop.parallel.fsdp.api import CPUOffloadPolicy, GradientReductionHandle, OffloadPolicy, UnshardHandle
+from shardprop.parallel.fsdp.module import register_fsdp_forward_method, share_comm_ctx
+from shardprop.parallel.fsdp.fully_shard import FSDPModule, fully_shard
 from shardprop.parallel.local_map import local_map
-from shardprop.parallel.loss_parallel import loss_parallel
-from shardprop.parallel.mixed_precision import MixedPrecisionPolicy
-from shardprop.parallel.optim_foreach import set_optimizer_foreach_default
-from shardprop.parallel.parallelize import distribute_module, parallelize_module
-from shardprop.parallel.prepare_io import PrepareModuleInputOutput
-from shardprop.parallel.styles import (
+from shardprop.parallel.tp.loss_parallel import loss_parallel
+from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
+from shardprop.parallel.fast.optim_foreach import set_optimizer_foreach_default
+from shardprop.parallel.tp.parallelize import distribute_module, parallelize_module
+from shardprop.parallel.tp.prepare_io import PrepareModuleInputOutput
+from shardprop.parallel.tp.styles import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 from shardprop.tensor.distribute import distribute_tensor
 from shardprop.tensor.dtensor import DTensor

@@ -24,11 +24,11 @@ from __future__ import annotations
 # the optimizer foreach hooks.
 import shardprop.ops  # noqa: F401
 from shardprop.dispatch import random_ops  # noqa: F401
-from shardprop.parallel import optim_foreach  # noqa: F401
+from shardprop.parallel.fast import optim_foreach  # noqa: F401
 from shardprop.checkpoint import cross_mesh, dcp, pickling
 from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading
 from shardprop.dispatch import dispatcher
-from shardprop.parallel import parallelize
+from shardprop.parallel.tp import parallelize
 from shardprop.tensor import conversions
 from shardprop.tensor.dtensor import DTensor
 

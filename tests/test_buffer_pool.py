@@ -1,4 +1,4 @@
-"""Reuse of redistribution output buffers (mesh/buffer_pool.py): it reuses, and never a held buffer.
+"""Reuse of redistribution output buffers (mesh/transport/buffer_pool.py): it reuses, and never a held buffer.
 
 A wrong reuse is a silent wrong answer, so most tests try to break it: a result the user keeps,
 a view of it, ``.data``/``detach``, a storage handle, a tensor autograd saved, an async result not
@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from shardprop.mesh import buffer_pool as bp
+from shardprop.mesh.transport import buffer_pool as bp
 from shardprop.mesh import config
 from tests.rankpool import run_on_ranks
 
@@ -198,7 +198,7 @@ def _expect(full, mesh, codes):
 def _every_transition_keeps_values(shape):
     """Each transition three times, all results kept alive, each written in place after the next."""
     from shardprop import init_device_mesh
-    from shardprop.mesh import buffer_pool
+    from shardprop.mesh.transport import buffer_pool
     buffer_pool.MIN_BYTES, old = 0, buffer_pool.MIN_BYTES
     buffer_pool.clear()
     try:
@@ -240,7 +240,7 @@ def test_every_bench_transition_keeps_values_with_reuse(shape):
 def _reuse_happens_and_holders_keep_values():
     import torch.distributed as dist
     from shardprop import Replicate, Shard, distribute_tensor, init_device_mesh
-    from shardprop.mesh import buffer_pool
+    from shardprop.mesh.transport import buffer_pool
     buffer_pool.MIN_BYTES, old = 0, buffer_pool.MIN_BYTES
     buffer_pool.clear()
     try:

@@ -243,7 +243,7 @@ def _run(case, model, opt, fast, tp, dp, in_dim, out_dim, full_in, targets, g):
     """Forward (and backward and optimizer steps) of one model: what is compared, per step."""
     import shardprop
     from shardprop import DTensor, Shard
-    from shardprop.parallel.loss_parallel import loss_parallel
+    from shardprop.parallel.tp.loss_parallel import loss_parallel
     dist_ = tp is not None
     dtype = torch.float64 if case["double"] else torch.float32
     steps = 2 if case["mode"] == "grad" and case["opt"] else 1

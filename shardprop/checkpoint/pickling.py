@@ -42,7 +42,7 @@ def _rebindable_hooks(t: torch.Tensor) -> tuple:
     """The tensor's gradient hooks that can follow it into a copy: those with ``rebind(tensor)``.
 
     torch drops tensor hooks when it pickles or copies a parameter; a parallel style's hook
-    (``shardprop.parallel.grad_sync.GradLike``) lays the gradient out like the parameter, so a
+    (``shardprop.parallel.fast.grad_sync.GradLike``) lays the gradient out like the parameter, so a
     copy without it would train on the wrong gradient layout. Closures stay dropped, as in torch.
     """
     hooks = getattr(t, "_backward_hooks", None)

@@ -194,7 +194,7 @@ def register(name: str, fast: str, engine: str, styles: Tuple[str, ...]) -> None
     """List a fast path and its engine twin in :data:`REGISTRY`.
 
     Example:
-        >>> register("linear", "shardprop.parallel.fused_linear.FusedLinear",
+        >>> register("linear", "shardprop.parallel.fast.fused_linear.FusedLinear",
         ...          "the styles' DTensor hooks around nn.Linear.forward", ("ColwiseParallel",))  # doctest: +SKIP
     """
     if name in REGISTRY:

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Tuple
 
 import torch
 
-from shardprop.mesh import buffer_pool
+from shardprop.mesh.transport import buffer_pool
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import permute

@@ -21,7 +21,7 @@ from torch import nn
 from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.dispatch import fast_paths
 from shardprop.parallel.ep import routing, tensor_parallel
-from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params
+from shardprop.parallel.tp.styles import ParallelStyle, check_divisible, distribute_params
 from shardprop.tensor.placement import Replicate, Shard
 
 

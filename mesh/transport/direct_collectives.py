@@ -32,7 +32,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool, config, shm_transport
+from shardprop.mesh.transport import buffer_pool, shm_transport
+from shardprop.mesh import config
 from shardprop.mesh.config import values as _settings
 
 MAX_GROUP = 16
@@ -345,7 +346,7 @@ def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequen
     for view, _, _ in (*sends, *recvs):
         if not view.is_cpu:  # gloo's send/recv would hand the pointer to a socket and die (EFAULT)
             raise TypeError(f"shardprop: direct point-to-point messages carry host memory only, got a {view.device} "
-                            "tensor; collectives.py stages device tensors through host memory (mesh/staging.py)")
+                            "tensor; collectives.py stages device tensors through host memory (mesh/transport/staging.py)")
     shm = shm_transport.active()
     carried = _through_shm(shm, sends, recvs, group) if shm is not None else None
     shm_handles = []

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.mesh import collectives, compat
-from shardprop.parallel.ring_attention import attention_method, estimate_costs, ring_attention
+from shardprop.parallel.cp.ring_attention import attention_method, estimate_costs, ring_attention
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Shard
 

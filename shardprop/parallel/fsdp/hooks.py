@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from shardprop.mesh.compat import in_backward
-from shardprop.parallel.fsdp_unit import FSDPUnit
+from shardprop.parallel.fsdp.unit import FSDPUnit
 from shardprop.tensor.compile_support import when_dynamo_loads
 from shardprop.tensor.dtensor import DTensor
 

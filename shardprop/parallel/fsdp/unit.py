@@ -15,7 +15,7 @@ import torch
 
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
-from shardprop.parallel.flat_buffers import ParamSlot, UnitBuffers
+from shardprop.parallel.fsdp.flat_buffers import ParamSlot, UnitBuffers
 from shardprop.tensor.dtensor import DTensor
 
 

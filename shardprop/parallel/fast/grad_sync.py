@@ -263,6 +263,6 @@ torch.serialization.add_safe_globals([GradLike])
 __all__ = ["GradLike", "ParamLocal", "grad_like"]
 
 
-_fast.register("grad_sync", "shardprop.parallel.grad_sync",
+_fast.register("grad_sync", "shardprop.parallel.fast.grad_sync",
                "each partial parameter gradient reduced on its own (DTensor redistribute Partial -> Replicate)",
                ("SequenceParallel", "RowwiseParallel"))

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
-from shardprop.parallel.autograd_apply import direct_apply
-from shardprop.parallel.fused_linear import LocalOf, WrapLocal, on_mesh
-from shardprop.parallel.grad_sync import ParamLocal
+from shardprop.parallel.fast.autograd_apply import direct_apply
+from shardprop.parallel.fast.fused_linear import LocalOf, WrapLocal, on_mesh
+from shardprop.parallel.fast.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Shard
 
@@ -125,6 +125,6 @@ def install_norm(module: nn.Module, mesh, sequence_dim: int, use_local_output: b
 __all__ = ["FusedNorm", "install_norm"]
 
 
-_fast.register("sp_norm", "shardprop.parallel.fused_norm.FusedNorm",
+_fast.register("sp_norm", "shardprop.parallel.fast.fused_norm.FusedNorm",
                "SequenceParallel's DTensor hooks around LayerNorm/RMSNorm (the norm rules on Shard(seq))",
                ("SequenceParallel",))

@@ -45,8 +45,8 @@ from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh import collectives as C
-from shardprop.parallel.autograd_apply import direct_apply
-from shardprop.parallel.grad_sync import ParamLocal
+from shardprop.parallel.fast.autograd_apply import direct_apply
+from shardprop.parallel.fast.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
@@ -407,9 +407,9 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
 __all__ = ["FusedLinear", "LocalOf", "WrapLocal", "install"]
 
 
-_fast.register("linear", "shardprop.parallel.fused_linear.FusedLinear",
+_fast.register("linear", "shardprop.parallel.fast.fused_linear.FusedLinear",
                "ColwiseParallel/RowwiseParallel's DTensor hooks around nn.Linear.forward (the engine's rules)",
                ("ColwiseParallel", "RowwiseParallel"))
-_fast.register("embedding", "shardprop.parallel.fused_linear.FusedEmbedding",
+_fast.register("embedding", "shardprop.parallel.fast.fused_linear.FusedEmbedding",
                "the styles' DTensor hooks around nn.Embedding.forward (the embedding rule, masked lookup)",
                ("ColwiseParallel", "RowwiseParallel"))

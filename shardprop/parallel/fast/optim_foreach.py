@@ -73,5 +73,5 @@ _handles = (register_optimizer_step_pre_hook(_before_step), register_optimizer_s
 __all__ = ["set_optimizer_foreach_default"]
 
 
-_fast.register("optimizer_foreach", "shardprop.parallel.optim_foreach",
+_fast.register("optimizer_foreach", "shardprop.parallel.fast.optim_foreach",
                "torch's per-parameter optimizer loop on DTensors (foreach left at None)", ("torch.optim",))

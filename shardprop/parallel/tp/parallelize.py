@@ -1,7 +1,7 @@
 """distribute_module and parallelize_module: lay a model out over a mesh.
 
 ``distribute_module`` is the low-level tool (parameters to DTensors plus input/output
-hooks); ``parallelize_module`` applies tensor-parallel styles (``shardprop.parallel.styles``)
+hooks); ``parallelize_module`` applies tensor-parallel styles (``shardprop.parallel.tp.styles``)
 to submodules chosen by dotted names with ``*`` wildcards.
 """
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 from torch import nn
 
 from shardprop.mesh.device_mesh import mesh_or_current
-
-from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params, replicated
+from shardprop.parallel.tp.styles import ParallelStyle, check_divisible, distribute_params, replicated
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Replicate
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from shardprop.mesh import collectives
 from shardprop.mesh import config as _config
 from shardprop.mesh.config import values as _settings
-from shardprop.parallel.attention_blocks import accum_dtype, block_backward, block_forward, block_kind, merge_into
+from shardprop.parallel.cp.attention_blocks import accum_dtype, block_backward, block_forward, block_kind, merge_into
 
 __all__ = ["RingPlan", "attention_method", "estimate_costs", "plan_for", "ring_attention", "set_rotate_method"]
 
