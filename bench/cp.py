@@ -123,8 +123,8 @@ def _body(rank, world, seqs, reps, dim, layers, heads):
 
 def _balance(seq, n, heads, head_dim, reps):
     """Per-rank attention work (forward + backward of its block pairs), seconds, medians; one process."""
-    from shardprop.parallel.attention_blocks import block_kind
-    from shardprop.parallel.ring_attention import _pair_backward, _pair_forward
+    from shardprop.parallel.cp.attention_blocks import block_kind
+    from shardprop.parallel.cp.ring_attention import _pair_backward, _pair_forward
     local = seq // n
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, heads, local, head_dim, generator=g) for _ in range(4))

@@ -117,7 +117,7 @@ class _Contender:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
 
     def step(self, i: int) -> float:
-        from shardprop.mesh import direct_collectives
+        from shardprop.mesh.transport import direct_collectives
         old = direct_collectives.set_enabled(False) if self.name == "ours gloo" else None
         try:
             g = torch.Generator().manual_seed(1000 * i + dist.get_rank())

@@ -12,7 +12,7 @@ op, sums the bytes of every live tensor storage (weak references, so a tensor au
 backward counts until backward frees it; a DTensor counts its local shard; parameters, shards and
 optimizer state that exist before the step count as well). Memory outside torch's dispatcher
 (the transports' own buffers) is not counted, for either engine. The buffers shardprop's CPU
-buffer pool keeps idle for reuse (``shardprop.mesh.buffer_pool``) are counted: the table also shows
+buffer pool keeps idle for reuse (``shardprop.mesh.transport.buffer_pool``) are counted: the table also shows
 their peak.
 
     python bench/recipes.py [--dim 256] [--layers 4] [--seq 128] [--batch 8] [--json out.json]
@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from _launch import launch  # noqa: E402
-from shardprop.mesh import buffer_pool  # noqa: E402
+from shardprop.mesh.transport import buffer_pool  # noqa: E402
 from tests import recipes  # noqa: E402
 
 MEMORY_RECIPES = {

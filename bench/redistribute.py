@@ -396,15 +396,11 @@ def _bench_size(rank: int, size_mb: float, reps: int, warmup: int) -> Dict:
 
 def _without_reuse(run: Callable) -> Callable:
     """``run`` with shardprop's output buffer reuse off (kept buffers stay kept for ``ours``)."""
-    from shardprop.mesh import buffer_pool
+    from shardprop.mesh import config
 
     def call():
-        was = buffer_pool._enabled  # the flag itself: set_buffer_reuse(False) would forget ours' buffers
-        buffer_pool._enabled = False
-        try:
+        with config.patch(buffer_reuse=False):  # forgets the kept buffers; ours' warm-up keeps them again
             return run()
-        finally:
-            buffer_pool._enabled = was
     return call
 
 

@@ -90,7 +90,7 @@ class _RefBuckets:
     """The reference's dp averaging: our bucket assignment, one synchronous all-reduce per bucket."""
 
     def __init__(self, model, group, dp_size):
-        from shardprop.parallel.data_parallel import DEFAULT_SIZE_LIMITS, compute_bucket_assignment_by_size
+        from shardprop.parallel.dp.data_parallel import DEFAULT_SIZE_LIMITS, compute_bucket_assignment_by_size
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = compute_bucket_assignment_by_size([p.to_local() for p in self.params],
                                                          DEFAULT_SIZE_LIMITS)
@@ -119,8 +119,8 @@ class _Contender:
         model = Llama(cfg, self.seed)
         if name == "ours":
             import shardprop
-            from shardprop.parallel.data_parallel import replicate_gradients
-            from shardprop.parallel.parallelize import parallelize_module
+            from shardprop.parallel.dp.data_parallel import replicate_gradients
+            from shardprop.parallel.tp.parallelize import parallelize_module
             mesh = shardprop.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             tp = mesh["tp"] if len(mesh_shape) == 2 else mesh
             self.model = parallelize_module(model, tp, tp_plan())

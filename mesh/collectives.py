@@ -12,14 +12,17 @@ issues collectives for tensor data, so the counter sees all of them.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool, compat, staging
-from shardprop.mesh import direct_collectives as direct
+from shardprop.mesh.transport import buffer_pool, staging
+from shardprop.mesh import compat
+from shardprop.mesh.config import values as _settings
+from shardprop.mesh.transport import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
 _all_gather_flat = compat.all_gather_flat
@@ -36,7 +39,16 @@ _REDUCE_OPS = {
 MeshDims = Union[int, str, Tuple[int, ...]]
 
 # The counters now active (a nested counter counts too); empty means "count nothing".
-_counters: tuple = ()
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("counters",)
+
+
+_state = _State()
+_state.counters = ()
 
 
 class CommCounter:
@@ -89,18 +101,17 @@ def comm_counter(counter: Optional[CommCounter] = None) -> Iterator[CommCounter]
         >>> c.counts  # {kind: (count, bytes)}  # doctest: +SKIP
         {'all_reduce': (3, 12288), 'all_gather': (2, 8192)}
     """
-    global _counters
     c = CommCounter() if counter is None else counter
-    _counters = _counters + (c,)
+    _state.counters = _state.counters + (c,)
     try:
         yield c
     finally:
-        _counters = tuple(x for x in _counters if x is not c)
+        _state.counters = tuple(x for x in _state.counters if x is not c)
 
 
 def _count(kind: str, t: torch.Tensor, group_size: int = 0) -> None:
     nbytes = t.numel() * t.element_size()
-    for c in _counters:
+    for c in _state.counters:
         c.add(kind, nbytes, group_size)
 
 
@@ -124,16 +135,12 @@ def resolve(mesh, dims: MeshDims):
 # cannot run on them. The same collectives then go through ``torch.ops._c10d_functional``:
 # they return new tensors, name the group by its string name, and need ``wait_tensor``
 # before use, so the graph carries them and a compiler can move them (seed 003).
-_TRACED_TYPES: tuple = ()
-
-
+@functools.lru_cache(maxsize=None)
 def _traced_types() -> tuple:
-    global _TRACED_TYPES
-    if not _TRACED_TYPES:
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch._subclasses.functional_tensor import FunctionalTensor
-        _TRACED_TYPES = (FakeTensor, FunctionalTensor)
-    return _TRACED_TYPES
+    # Imported at the first use: torch's fake tensors are not needed to import shardprop.
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return (FakeTensor, FunctionalTensor)
 
 
 def is_traced(t: torch.Tensor) -> bool:
@@ -155,7 +162,7 @@ def _functional(kind: str, t: torch.Tensor, group, n: int, op: str = "sum", out_
     rop = "sum" if op == "avg" else op  # avg is a sum divided afterwards, as in eager
     device = t.device
     if device.type != "cpu" and staging.decide(kind, t, group) == staging.STAGE:
-        # Staged in the graph itself: to host, the collective, back (mesh/staging.py says where).
+        # Staged in the graph itself: to host, the collective, back (mesh/transport/staging.py says where).
         return _functional(kind, t.cpu(), group, n, op, out_split, in_split).to(device)
     if kind == "all_gather":
         out = f.all_gather_into_tensor(t, n, name)
@@ -227,9 +234,9 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     t = wait_all(t).contiguous()
     if not t.ndim:  # a 0-d piece gathers into a 1-d tensor (the backends want matching ranks)
         t = t.reshape(1)
-    if (not t.is_cpu or staging._forced) and _staged("all_gather", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("all_gather", t, group):
         return _done(staging.to_device(_on_host(all_gather, t, mesh, dims), t), async_op, finish, finish_shape)
-    if _counters:
+    if _state.counters:
         _count("all_gather", t, n)
     if type(t) is not torch.Tensor and is_traced(t):
         out = _functional("all_gather", t, group, n)
@@ -257,10 +264,10 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t).contiguous()
-    if (not t.is_cpu or staging._forced) and _staged("reduce_scatter", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("reduce_scatter", t, group):
         out = staging.to_device(_on_host(reduce_scatter, t, mesh, dims, op), t)
         return _done(out, async_op, finish, finish_shape)
-    if _counters:
+    if _state.counters:
         _count("reduce_scatter", t, n)
     if type(t) is not torch.Tensor and is_traced(t):
         out = _functional("reduce_scatter", t, group, n, op)
@@ -293,18 +300,18 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
         # layout the collective would give (``t`` itself in place, else a fresh contiguous copy).
         out = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
         return _done(out, async_op)
-    if (not t.is_cpu or staging._forced) and _staged("all_reduce", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("all_reduce", t, group):
         host = _on_host(all_reduce, t, mesh, dims, op, inplace=True)
         return _done(t.copy_(host) if inplace else staging.to_device(host, t), async_op)
     if type(t) is not torch.Tensor and is_traced(t):
-        if _counters:
+        if _state.counters:
             _count("all_reduce", t, n)
         out = _functional("all_reduce", t.contiguous(), group, n, op)
         return out / n if op == "avg" else out
     if direct.usable(t, n) and direct.small_all_reduce(t, n, op, group):
         # One round of messages; ``t`` is only read, so no copy of a tensor the caller keeps.
         t = t.contiguous()
-        if _counters:
+        if _state.counters:
             _count("all_reduce", t, n)
         out = t if inplace else buffer_pool.empty_like(t)
         work, stacked = direct.all_reduce_into(t, group, ranks)
@@ -317,7 +324,7 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
         # Bigger tensors between ranks of one host: reduce-scatter + all-gather through shared
         # memory (measured 1.2-1.7x faster than gloo's ring from 2 to 64 MB on 4 ranks).
         t = t.contiguous()
-        if _counters:
+        if _state.counters:
             _count("all_reduce", t, n)
         out = direct.all_reduce_two_phase(t if inplace else buffer_pool.empty_like(t), t, group, ranks, op)
         return _avg(n)(out) if op == "avg" else out
@@ -327,7 +334,7 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
         out = buffer_pool.empty_like(t).copy_(t)
     else:
         out = t.clone(memory_format=torch.contiguous_format)
-    if _counters:
+    if _state.counters:
         _count("all_reduce", out, n)
     work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return _finish(out, work, async_op, _avg(n) if op == "avg" else None)
@@ -354,18 +361,18 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
     """
     group, ranks, n = resolve(mesh, dims)
     if views is not None:
-        if _counters:
+        if _state.counters:
             _count("all_to_all", t, n)
         work = direct.all_to_all_views(views[0], views[1], group, ranks)
         if not async_op:
             work.wait()
         return _finish(out, work, async_op, finish, finish_shape)
     t = wait_all(t).contiguous()
-    if (not t.is_cpu or staging._forced) and _staged("all_to_all", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("all_to_all", t, group):
         host = _on_host(all_to_all, t, mesh, dims, output_split_sizes, input_split_sizes)
         out = out.copy_(host) if out is not None else staging.to_device(host, t)
         return _done(out, async_op, finish, finish_shape)
-    if _counters:
+    if _state.counters:
         _count("all_to_all", t, n)
     if out is None and type(t) is not torch.Tensor and is_traced(t):
         even = [t.shape[0] // n] * n
@@ -409,9 +416,9 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     """
     group, ranks, _ = resolve(mesh, dims)
     t = wait_all(t)
-    if (not t.is_cpu or staging._forced) and _staged("broadcast", t, group):
+    if (not t.is_cpu or _settings.force_staging) and _staged("broadcast", t, group):
         return _done(t.copy_(_on_host(broadcast, t, mesh, dims, src)), async_op)
-    if _counters:
+    if _state.counters:
         _count("broadcast", t, len(ranks))
     if type(t) is not torch.Tensor and is_traced(t):  # functional: a new tensor, not in place
         f = torch.ops._c10d_functional
@@ -429,12 +436,12 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
     """
     group, ranks, _ = resolve(mesh, dims)
     me = dist.get_rank()
-    if (not out.is_cpu or staging._forced) and _staged("scatter", out, group):
+    if (not out.is_cpu or _settings.force_staging) and _staged("scatter", out, group):
         with staging.host_call():
             host = scatter([staging.to_host(c) for c in chunks] if me == ranks[src] else None,
                            staging.host_empty(out), mesh, dims, src)
         return _done(out.copy_(host), async_op)
-    if _counters:
+    if _state.counters:
         _count("scatter", out, len(ranks))
     work = dist.scatter(out, [c.contiguous() for c in chunks] if me == ranks[src] else None,
                         src=ranks[src], group=group, async_op=async_op)
@@ -453,8 +460,8 @@ class _CoalescedWork:
 
 
 def _coalesced(kind: str, pairs, group, issue, async_op: bool, result: torch.Tensor, nbytes: int):
-    if _counters:
-        for c in _counters:
+    if _state.counters:
+        for c in _state.counters:
             c.add(kind, nbytes)
     with dist._coalescing_manager(group=group, async_ops=True) as cm:
         for out, inp in pairs:
@@ -479,7 +486,7 @@ def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torc
         >>> all_gather_into_views([a, b], [x1, x2], full, mesh, 0)  # 2 ranks  # doctest: +SKIP
     """
     group, _, _ = resolve(mesh, dims)
-    if inputs and (not inputs[0].is_cpu or staging._forced) and _staged("all_gather_views", inputs[0], group):
+    if inputs and (not inputs[0].is_cpu or _settings.force_staging) and _staged("all_gather_views", inputs[0], group):
         # Host outputs of their own (not views of one host buffer): each is copied into its view after.
         houts = [staging.host_empty(o) for o in outputs]
         with staging.host_call():
@@ -543,9 +550,9 @@ def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tu
         >>> send_recv([(mine, 1, 0)], [(out, 1, 0)], p2p_group(mesh), out)  # ranks 0 and 1 swap  # doctest: +SKIP
     """
     probe = sends[0][0] if sends else recvs[0][0] if recvs else result
-    if (not probe.is_cpu or staging._forced) and _staged("send_recv", probe, group):
+    if (not probe.is_cpu or _settings.force_staging) and _staged("send_recv", probe, group):
         return _send_recv_staged(sends, recvs, group, result, async_op, finish, finish_shape, keep)
-    if _counters:
+    if _state.counters:
         for t, _, _ in sends:
             _count("send", t)
         for t, _, _ in recvs:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import re
 import warnings
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -31,10 +30,12 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from shardprop.mesh import config
+
 # ------------------------------------------------------------------ the declared range
 SUPPORTED: Tuple[Tuple[int, int], Tuple[int, int]] = ((2, 11), (2, 15))
 # Set to 1 to import on a torch outside SUPPORTED anyway (a warning instead of an error).
-ALLOW_ANY_TORCH_ENV = "SHARDPROP_ALLOW_ANY_TORCH"
+ALLOW_ANY_TORCH_ENV = config.BY_NAME["allow_any_torch"].env
 
 
 def torch_release(version: Optional[str] = None) -> Tuple[int, int]:
@@ -79,7 +80,7 @@ def check_torch_release(version: Optional[str] = None) -> None:
     message = (f"shardprop supports {range_text()}; this is torch {text}. Install a torch in that range "
                f"(e.g. pip install 'torch>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},"
                f"<{SUPPORTED[1][0]}.{SUPPORTED[1][1] + 1}'), or set {ALLOW_ANY_TORCH_ENV}=1 to try anyway.")
-    if os.environ.get(ALLOW_ANY_TORCH_ENV) == "1":
+    if config.values.allow_any_torch:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return
     raise ImportError(message)

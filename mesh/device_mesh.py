@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from shardprop.mesh import compat
 from shardprop.mesh import groups as _groups
-from shardprop.mesh import shm_transport
+from shardprop.mesh.transport import shm_transport
 
 DimRef = Union[int, str]
 
@@ -31,7 +31,16 @@ _next_key = itertools.count()
 # Whether this process ever built a mesh it is not in (a pipeline stage's sub-mesh, say). The
 # dispatcher reads it before looking for such a mesh among a special op's arguments, so a process
 # whose meshes all hold it never looks. Set by DeviceMesh.__init__ only.
-excluded_from_some_mesh = False
+
+
+class _Flags:
+    """This process's mesh facts, in one object (no `global` statements)."""
+
+    __slots__ = ("excluded_from_some_mesh",)
+
+
+flags = _Flags()
+flags.excluded_from_some_mesh = False
 
 
 def mesh_by_key(key: int) -> "DeviceMesh":
@@ -171,8 +180,7 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         where = (self.mesh == me).nonzero()
         self._coord: Optional[Tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
         if self._coord is None:
-            global excluded_from_some_mesh
-            excluded_from_some_mesh = True
+            flags.excluded_from_some_mesh = True
         # dims tuple -> (group, ranks of my group in mesh order); None where this rank is absent.
         self._groups: Dict[Tuple[int, ...], Tuple[Optional[dist.ProcessGroup], List[int]]] = {}
         backend = _groups.backend_for(device_type)

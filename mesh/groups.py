@@ -15,10 +15,9 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import compat
+from shardprop.mesh import compat, config
+from shardprop.mesh.config import values as _settings
 
-_DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDPROP_COLLECTIVE_TIMEOUT", "300"))
-_timeout = datetime.timedelta(seconds=_DEFAULT_TIMEOUT_S)
 
 # cache_key(backend, ranks) -> ProcessGroup, or None on ranks outside the group (NCCL splits).
 _group_cache: Dict[Tuple[str, Tuple[int, ...]], Optional[dist.ProcessGroup]] = {}
@@ -33,8 +32,7 @@ def set_collective_timeout(seconds: float) -> None:
     Example:
         >>> set_collective_timeout(30)
     """
-    global _timeout
-    _timeout = datetime.timedelta(seconds=float(seconds))
+    config.set("collective_timeout", seconds)
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -44,7 +42,7 @@ def collective_timeout() -> datetime.timedelta:
         >>> collective_timeout().total_seconds() > 0
         True
     """
-    return _timeout
+    return datetime.timedelta(seconds=_settings.collective_timeout)
 
 
 # Backends whose groups we create ourselves (gloo on CPU, NCCL on CUDA). A default group that
@@ -88,7 +86,7 @@ def backend_for(device_type: str) -> str:
 
     A CUDA mesh in a world whose default group has no NCCL (``init_process_group("gloo")``, as
     for several ranks sharing one GPU: NCCL refuses two ranks on one device) gets gloo groups;
-    collectives then stage what gloo cannot carry on the GPU through host memory (mesh/staging.py).
+    collectives then stage what gloo cannot carry on the GPU through host memory (mesh/transport/staging.py).
     Mixed defaults (``"cpu:gloo,cuda:nccl"``) give gloo to CPU meshes and NCCL to CUDA ones. A
     default group naming neither gloo nor NCCL (``"fake"``, ``"mpi"``, ...) is followed: the name
     returned is its backend, and groups are created without naming one (:func:`follows_default`).
@@ -153,7 +151,7 @@ def ensure_default_group(device_type: str, backend: Optional[str] = None) -> Non
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend=backend, timeout=_timeout, **kwargs)
+    dist.init_process_group(backend=backend, timeout=collective_timeout(), **kwargs)
 
 
 def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Optional[dist.ProcessGroup]:
@@ -171,12 +169,12 @@ def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Opti
     keys = [cache_key(backend, ranks) for ranks in all_rank_lists]
     todo = [k for k in keys if k not in _group_cache]
     if todo and backend == "nccl" and compat.split_group is not None:
-        split = compat.split_group(split_ranks=[list(k[1]) for k in todo], timeout=_timeout)
+        split = compat.split_group(split_ranks=[list(k[1]) for k in todo], timeout=collective_timeout())
         for k in todo:
             _group_cache[k] = split if me in k[1] else None
     else:
         for k in todo:
-            _group_cache[k] = dist.new_group(list(k[1]), timeout=_timeout, backend=backend)
+            _group_cache[k] = dist.new_group(list(k[1]), timeout=collective_timeout(), backend=backend)
     for k in keys:
         if me in k[1]:
             return _group_cache[k]
@@ -309,7 +307,7 @@ def create_group(ranks: Sequence[int], backend: str) -> dist.ProcessGroup:
     if follow and len(key[1]) == world and (key[1] == range(world) or key[1] == tuple(range(world))):
         group = dist.group.WORLD
     else:
-        group = dist.new_group(list(key[1]), timeout=_timeout, backend=None if follow else backend,
+        group = dist.new_group(list(key[1]), timeout=collective_timeout(), backend=None if follow else backend,
                                use_local_synchronization=True)
     _group_cache[key] = group
     return group

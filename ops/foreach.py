@@ -178,7 +178,7 @@ def _propagate_elements(ctx, calls, held=frozenset()):
         if emulated or fixed:
             in_pl, out_pl = _choose_with(sub, emulated or _prop._op_alias(sub.op) == "self", fixed)
         else:
-            res = _prop.propagate(sub)
+            res = _prop.cache.fn(sub)
             if res.local_call is not None:
                 raise _prop.ShardingError(f"{ctx.op}: element op {sub.op} needs a custom local call; "
                                           "a fused foreach call cannot run it")
@@ -307,5 +307,5 @@ def _foreach_overloads():
 
 FOREACH_OPS = _foreach_overloads()
 rule(*FOREACH_OPS, per_dim=False)(foreach_options)
-dispatcher.POSITIONWISE.update(FOREACH_OPS)  # lists mixing plain tensors and DTensors: split by position
+dispatcher.register_positionwise(FOREACH_OPS)  # lists mixing plain tensors and DTensors: split by position
 registry.register_local_call(aten._foreach_norm.Scalar, _norm_local)

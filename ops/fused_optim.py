@@ -18,7 +18,7 @@ Placements per list position i:
 * 0-d tensors (steps; ``lr``, ``grad_scale``, ``found_inf`` as DTensors) are replicated.
 
 Left at torch's CPU default (``foreach=None``), a step over DTensor parameters takes the foreach
-kernels (``shardprop/parallel/optim_foreach.py``): one dispatch per list op, eight per AdamW
+kernels (``shardprop/parallel/fast/optim_foreach.py``): one dispatch per list op, eight per AdamW
 step; ``fused=True`` makes one per step. Ask for it as torch documents:
 
     >>> torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # doctest: +SKIP
@@ -87,4 +87,4 @@ def fused_optimizer_options(ctx):
 
 
 rule(*FUSED_OPTIMIZER_OPS, per_dim=False)(fused_optimizer_options)
-dispatcher.POSITIONWISE.update(FUSED_OPTIMIZER_OPS)  # plain parameters beside DTensor ones: split by position
+dispatcher.register_positionwise(FUSED_OPTIMIZER_OPS)  # plain parameters beside DTensor ones: split by position

@@ -20,7 +20,6 @@ import torch
 
 from shardprop.dispatch.dispatcher import register_special
 from shardprop.dispatch.registry import register_local_call, rule
-from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec
 
@@ -163,8 +162,7 @@ def _nll_mean_on_shard(op, out, largs, lkwargs):
     if b["reduction"] != MEAN or not any(type(p) is Shard for p in xs.placements):
         return op(*largs, **lkwargs)
     x, target, weight, ignore = b["self"], b["target"], b["weight"], b["ignore_index"]
-    mesh = xs.mesh
-    size, offset = local_shape_and_offset(xs.shape, mesh.shape, mesh._coord, xs.placements)
+    size, offset = xs.local_box()
     mine = target
     for sd, td in _nll_dim_pairs(x.ndim):
         if mine.shape[td] != size[sd]:

@@ -18,7 +18,6 @@ import torch
 
 from shardprop.dispatch.op_schema import _marker
 from shardprop.dispatch.registry import register_local_call, rule
-from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard
 from shardprop.tensor.spec import DTensorSpec
 
@@ -200,8 +199,7 @@ def _vocab_rows(wspec):
     """(offset, rows) of this rank's slice of a vocab-sharded (``S(0)``) table, else None."""
     if not any(type(p) is Shard and p.dim == 0 for p in wspec.placements):
         return None
-    mesh = wspec.mesh
-    (rows, *_), (offset, *_) = local_shape_and_offset(wspec.shape, mesh.shape, mesh._coord, wspec.placements)
+    (rows, *_), (offset, *_) = wspec.local_box()
     return offset, rows
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from shardprop.dispatch import dispatcher as _dispatcher
+from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.dispatch.dispatcher import (
     _plain_tensor_error,
     register_special,
@@ -175,7 +175,7 @@ def _gathered(args, mesh_box):
     if t is list or t is tuple:
         return t(_gathered(a, mesh_box) for a in args)
     if isinstance(args, torch.Tensor) and args.dim() > 0 and not (
-            joins_as_replicate(args, mesh_box[0], bool(_dispatcher.implicit_replication)) is True if mesh_box else same_on_every_rank(args)):
+            joins_as_replicate(args, mesh_box[0], bool(_hooks.implicit_replication)) is True if mesh_box else same_on_every_rank(args)):
         raise _plain_tensor_error(args)
     return args
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.dispatch import fast_paths as _fast
+from shardprop.mesh.config import values as _settings
 from shardprop.dispatch.dispatcher import register_special
 from shardprop.tensor.placement import Replicate
 from shardprop.tensor.redistribute import redistribute_local
@@ -52,10 +54,14 @@ register_special(aten.is_same_size.default, _same_size, outside_safe=True)
 # (whose view wrappers need care) still take it, and so does everything with the fast paths off.
 def _detach(op, args, kwargs):
     from shardprop.dispatch import dispatcher
-    if kwargs or dispatcher.recorder is not None or torch.is_inference_mode_enabled() or not _fast.enabled:
+    if kwargs or _hooks.recorder is not None or torch.is_inference_mode_enabled() or not _settings.fast_paths:
         return dispatcher.run(op, args, kwargs)
     a = args[0]
     return dispatcher.wrap(a._local_tensor.detach(), a._spec)
 
 
 register_special(aten.detach.default, _detach, outside_safe=True)  # local, or the rule path
+
+
+_fast.register("detach", "shardprop.ops.scalar._detach",
+               "the rule-based detach through the dispatcher", ("AccumulateGrad",))

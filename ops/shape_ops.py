@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from shardprop.dispatch.registry import register_local_call, rule
-from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
 from .along_dim import arg
@@ -211,8 +210,7 @@ def _shifted_tri(op, out, largs, lkwargs):
     spec = out.in_specs[0]
     if spec.ndim < 2 or not any(type(p) is Shard and p.dim % spec.ndim >= spec.ndim - 2 for p in spec.placements):
         return op(*largs, **lkwargs)
-    mesh = spec.mesh
-    _, offset = local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)
+    _, offset = spec.local_box()
     args = list(largs)
     k = args[1] if len(args) > 1 else lkwargs.pop("diagonal", 0)
     shifted = k + offset[-2] - offset[-1]
@@ -227,8 +225,7 @@ def _shifted_tri(op, out, largs, lkwargs):
 
 
 def _local_out_shape(spec) -> tuple:
-    mesh = spec.mesh
-    return local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)[0]
+    return spec.local_box()[0]
 
 
 def _empty_safe(local_op):

@@ -42,7 +42,6 @@ import torch
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.dispatch.registry import register_local_call, rule
-from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Replicate
 
 from .dim_maps import (
@@ -276,8 +275,7 @@ def view_rule(ctx):
 @functools.lru_cache(maxsize=4096)
 def _local_shape(spec) -> tuple:
     """This rank's shard shape of ``spec`` (specs hash once; the mesh coordinate is fixed)."""
-    mesh = spec.mesh
-    return local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)[0]
+    return spec.local_box()[0]
 
 
 def _sized(local_op, keep_rest: bool, view_like: bool = False):

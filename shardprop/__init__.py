@@ -1,65 +1,68 @@
-"""shardprop: a from-scratch DTensor engine for PyTorch."""
-from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
-from shardprop.tensor.spec import DTensorSpec, TensorMeta
-from shardprop.mesh import DeviceMesh, init_device_mesh
-from shardprop.tensor.dtensor import DTensor
-from shardprop.tensor.distribute import distribute_tensor
-from shardprop.tensor.redistribute import plan_redistribute
-from shardprop.dispatch import dispatcher as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
-from shardprop.checkpoint import pickling as _pickling  # noqa: F401  (pickle/deepcopy/torch.load of DTensors)
-from shardprop.dispatch.propagate import ShardingError
-from shardprop.dispatch.cache_control import clear_cache, set_cache_size, set_fallback_to_replicate
-from shardprop.dispatch.registry import register_sharding, unregister_sharding
-from shardprop.debug.stats import cache_stats, print_cache_stats
-from shardprop.debug.explain import ImplicitRedistributionError, explain, explicit
-from shardprop.debug.check_rule import RuleReport, check_sharding_rule
-from shardprop.dispatch.decompose import set_decompose_fallback
-import shardprop.ops  # noqa: F401,E402  (registers the built-in rules)
-from shardprop.parallel.parallelize import distribute_module, parallelize_module  # noqa: E402
-from shardprop.parallel.styles import ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel  # noqa: E402
-from shardprop.parallel.loss_parallel import loss_parallel  # noqa: E402
-from shardprop.mesh.collectives import CommCounter, comm_counter  # noqa: E402
-from shardprop.mesh.buffer_pool import buffer_reuse_enabled, set_buffer_reuse  # noqa: E402
-from shardprop.dispatch.random_ops import manual_seed  # noqa: E402  (also registers the random-op handlers)
-from shardprop.parallel.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients  # noqa: E402
-from shardprop.parallel.fully_shard import FSDPModule, fully_shard  # noqa: E402  (FSDPModule lives in fsdp_module)
-from shardprop.parallel.mixed_precision import MixedPrecisionPolicy  # noqa: E402
-from shardprop.parallel.optim_foreach import set_optimizer_foreach_default  # noqa: E402  (registers the optimizer hooks)
-from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading, full_state_dict, load_full_state_dict  # noqa: E402  (also attaches the DCP protocol and cross-mesh moves)
-from shardprop.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
-from shardprop.parallel import parallelize as _parallelize  # noqa: E402
-from shardprop.parallel.context_parallel import context_parallel, context_parallel_unshard  # noqa: E402
+"""shardprop: a from-scratch DTensor engine for PyTorch.
 
-# A parallelized module's load_state_dict takes plain full tensors (parallel may not import checkpoint).
-_parallelize.on_distributed.append(enable_full_state_dict_loading)
+This module only re-exports the public names. What importing shardprop sets up (DTensor's methods
+from the rooms above its own, the built-in sharding rules, the hooks between rooms) is listed in
+``shardprop/assembly.py``; the order of the imports below carries no meaning.
+"""
+from shardprop import assembly as _assembly  # noqa: F401  (the rooms wired together: see its docstring)
+from shardprop import config, experimental  # noqa: F401
+from shardprop.checkpoint.full_state_dict import enable_full_state_dict_loading, full_state_dict, load_full_state_dict
+from shardprop.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from shardprop.debug.check_rule import RuleReport, check_sharding_rule
+from shardprop.debug.explain import ImplicitRedistributionError, explain, explicit
+from shardprop.debug.stats import cache_stats, print_cache_stats
+from shardprop.dispatch.cache_control import clear_cache, set_cache_size, set_fallback_to_replicate
+from shardprop.dispatch.decompose import set_decompose_fallback
+from shardprop.dispatch.fast_paths import fast_paths, fast_paths_enabled, set_fast_paths
+from shardprop.dispatch.implicit import implicit_replication
+from shardprop.dispatch.propagate import ShardingError
+from shardprop.dispatch.random_ops import manual_seed
+from shardprop.dispatch.registry import register_sharding, unregister_sharding
+from shardprop.mesh import DeviceMesh, init_device_mesh
+from shardprop.mesh.transport.buffer_pool import buffer_reuse_enabled, set_buffer_reuse
+from shardprop.mesh.collectives import CommCounter, comm_counter
+from shardprop.parallel.cp.context_parallel import context_parallel, context_parallel_unshard
+from shardprop.parallel.dp.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients
+from shardprop.parallel.ep import ExpertLoad, ExpertParallel, ExpertTensorParallel, expert_load
+from shardprop.parallel.ep.hf_experts import HFExperts
+from shardprop.parallel.fsdp.api import CPUOffloadPolicy, GradientReductionHandle, OffloadPolicy, UnshardHandle
+from shardprop.parallel.fsdp.module import register_fsdp_forward_method, share_comm_ctx
+from shardprop.parallel.fsdp.fully_shard import FSDPModule, fully_shard
+from shardprop.parallel.local_map import local_map
+from shardprop.parallel.tp.loss_parallel import loss_parallel
+from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
+from shardprop.parallel.hf_plans import parallelize_hf
+from shardprop.parallel.fast.optim_foreach import set_optimizer_foreach_default
+from shardprop.parallel.tp.parallelize import distribute_module, parallelize_module
+from shardprop.parallel.tp.prepare_io import PrepareModuleInputOutput
+from shardprop.parallel.tp.styles import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel)
+from shardprop.tensor.distribute import distribute_tensor
+from shardprop.tensor.dtensor import DTensor
+from shardprop.tensor.factories import empty, full, linspace, logspace, ones, rand, randn, zeros
+from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.redistribute import plan_redistribute
+from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 __all__ = [
-    "distribute_module", "parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-    "CommCounter", "comm_counter", "set_buffer_reuse", "buffer_reuse_enabled", "manual_seed", "GradientReducer", "compute_bucket_assignment_by_size", "replicate_gradients",
+    "distribute_module", "parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
+    "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+    "CommCounter", "comm_counter", "set_buffer_reuse", "buffer_reuse_enabled", "manual_seed", "GradientReducer",
+    "compute_bucket_assignment_by_size", "replicate_gradients",
     "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "ShardingError",
-    "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain", "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
+    "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain",
+    "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
     "print_cache_stats", "register_sharding", "set_cache_size", "set_decompose_fallback", "set_fallback_to_replicate",
     "unregister_sharding", "full_state_dict", "load_full_state_dict", "enable_full_state_dict_loading",
-    "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "set_optimizer_foreach_default",
+    "config", "get_optimizer_state_dict", "set_optimizer_state_dict", "fully_shard", "FSDPModule",
+    "MixedPrecisionPolicy", "set_optimizer_foreach_default",
+    # FSDP2's remaining public names (torch.distributed.fsdp), beside fully_shard / FSDPModule / MixedPrecisionPolicy.
+    "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle", "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "zeros", "ones", "empty", "full", "rand", "randn", "linspace", "logspace",
+    "local_map", "implicit_replication", "PrepareModuleInputOutput",
+    "context_parallel", "context_parallel_unshard",
+    "fast_paths", "fast_paths_enabled", "set_fast_paths",
+    "ExpertParallel", "ExpertTensorParallel", "ExpertLoad", "expert_load",
+    "HFExperts", "parallelize_hf",
 ]
-
-# FSDP2's remaining public names (torch.distributed.fsdp), beside fully_shard / FSDPModule / MixedPrecisionPolicy.
-from shardprop.parallel.fsdp_api import CPUOffloadPolicy, GradientReductionHandle, OffloadPolicy, UnshardHandle  # noqa: E402
-from shardprop.parallel.fsdp_module import register_fsdp_forward_method, share_comm_ctx  # noqa: E402
-__all__ += ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle", "register_fsdp_forward_method",
-            "share_comm_ctx"]
-from shardprop.tensor.factories import empty, full, linspace, logspace, ones, rand, randn, zeros  # noqa: E402
-__all__ += ["zeros", "ones", "empty", "full", "rand", "randn", "linspace", "logspace"]
-from shardprop.parallel.local_map import local_map  # noqa: E402
-from shardprop.dispatch.implicit import implicit_replication  # noqa: E402
-from shardprop.parallel.prepare_io import PrepareModuleInputOutput  # noqa: E402
-from shardprop import experimental  # noqa: E402,F401  (torch.distributed.tensor.experimental's names)
-__all__ += ["local_map", "implicit_replication", "PrepareModuleInputOutput"]
-__all__ += ["context_parallel", "context_parallel_unshard"]
-from shardprop.dispatch.fast_paths import fast_paths, fast_paths_enabled, set_fast_paths  # noqa: E402
-__all__ += ["fast_paths", "fast_paths_enabled", "set_fast_paths"]
-from shardprop.parallel.ep import ExpertLoad, ExpertParallel, ExpertTensorParallel, expert_load  # noqa: E402
-__all__ += ["ExpertParallel", "ExpertTensorParallel", "ExpertLoad", "expert_load"]
-from shardprop.parallel.ep.hf_experts import HFExperts  # noqa: E402
-from shardprop.parallel.hf_plans import parallelize_hf  # noqa: E402
-__all__ += ["HFExperts", "parallelize_hf"]

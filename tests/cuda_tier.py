@@ -4,7 +4,7 @@ Two ways to put ranks on GPUs, both from ``tests.rankpool``:
 
 - ``shared(fn, ...)``: 4 ranks of the ordinary gloo pool, each with its tensors on
   ``cuda:(rank % GPUs)`` (one GPU: all on cuda:0). A ``"cuda"`` mesh in a gloo world gets
-  gloo groups, so this runs the staging paths of mesh/staging.py for real.
+  gloo groups, so this runs the staging paths of mesh/transport/staging.py for real.
 - ``nccl(n, fn, ...)``: ``n`` ranks over NCCL, one GPU per rank (``n = 1`` on one GPU).
 
 Nothing here imports torch at module level beyond what the tests need; every test module of

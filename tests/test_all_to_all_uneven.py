@@ -36,7 +36,8 @@ def _groups():
 
 def _values(direct_on, staged):
     from shardprop import comm_counter
-    from shardprop.mesh import all_to_all_uneven, direct_collectives, staging
+    from shardprop.mesh import all_to_all_uneven
+    from shardprop.mesh.transport import direct_collectives, staging
     from shardprop.mesh.collectives import resolve
     old = direct_collectives.set_enabled(direct_on)
     old_mode = staging.force("cuda" if staged else "")

@@ -1,4 +1,4 @@
-"""Reuse of redistribution output buffers (mesh/buffer_pool.py): it reuses, and never a held buffer.
+"""Reuse of redistribution output buffers (mesh/transport/buffer_pool.py): it reuses, and never a held buffer.
 
 A wrong reuse is a silent wrong answer, so most tests try to break it: a result the user keeps,
 a view of it, ``.data``/``detach``, a storage handle, a tensor autograd saved, an async result not
@@ -12,7 +12,8 @@ import threading
 import pytest
 import torch
 
-from shardprop.mesh import buffer_pool as bp
+from shardprop.mesh.transport import buffer_pool as bp
+from shardprop.mesh import config
 from tests.rankpool import run_on_ranks
 
 SHAPE = (512, 1024)  # 2 MB of float32: above MIN_BYTES
@@ -115,19 +116,19 @@ def test_small_cuda_traced_and_disabled_allocate_normally():
 
 
 def test_bounded_least_recently_used_first():
-    kept = [bp.empty(SHAPE, _like()) for _ in range(bp.MAX_BUFFERS + 3)]
-    assert len(bp._kept) == bp.MAX_BUFFERS
-    assert sum(1 for t in kept if bp.holds(t)) == bp.MAX_BUFFERS
+    kept = [bp.empty(SHAPE, _like()) for _ in range(config.values.buffer_max_buffers + 3)]
+    assert len(bp._kept) == config.values.buffer_max_buffers
+    assert sum(1 for t in kept if bp.holds(t)) == config.values.buffer_max_buffers
     assert not bp.holds(kept[0]) and bp.holds(kept[-1])
 
 
 def test_byte_bound():
     nbytes = SHAPE[0] * SHAPE[1] * 4
-    old = bp.MAX_BYTES
+    old = config.values.buffer_max_bytes
     try:
         bp.set_buffer_reuse(True, max_bytes=3 * nbytes)
         kept = [bp.empty(SHAPE, _like()) for _ in range(5)]
-        assert sum(1 for t in kept if bp.holds(t)) == 3 and bp._kept_bytes == 3 * nbytes
+        assert sum(1 for t in kept if bp.holds(t)) == 3 and bp._state.kept_bytes == 3 * nbytes
     finally:
         bp.set_buffer_reuse(True, max_bytes=old)
 
@@ -197,7 +198,7 @@ def _expect(full, mesh, codes):
 def _every_transition_keeps_values(shape):
     """Each transition three times, all results kept alive, each written in place after the next."""
     from shardprop import init_device_mesh
-    from shardprop.mesh import buffer_pool
+    from shardprop.mesh.transport import buffer_pool
     buffer_pool.MIN_BYTES, old = 0, buffer_pool.MIN_BYTES
     buffer_pool.clear()
     try:
@@ -239,7 +240,7 @@ def test_every_bench_transition_keeps_values_with_reuse(shape):
 def _reuse_happens_and_holders_keep_values():
     import torch.distributed as dist
     from shardprop import Replicate, Shard, distribute_tensor, init_device_mesh
-    from shardprop.mesh import buffer_pool
+    from shardprop.mesh.transport import buffer_pool
     buffer_pool.MIN_BYTES, old = 0, buffer_pool.MIN_BYTES
     buffer_pool.clear()
     try:

@@ -23,8 +23,8 @@ def _rel(a, b):
 
 def _ring_cases(seq):
     import torch.nn.functional as F
-    from shardprop.parallel.context_parallel import context_parallel_shard
-    from shardprop.parallel.ring_attention import ring_attention
+    from shardprop.parallel.cp.context_parallel import context_parallel_shard
+    from shardprop.parallel.cp.ring_attention import ring_attention
     mesh = _cp_mesh()
     errs = {}
     for dtype in (torch.float64, torch.float32):
@@ -57,7 +57,7 @@ def _sdpa_in_context():
     """F.sdpa inside the context equals one process; buffers sharded inside, restored after, even on error."""
     import torch.nn.functional as F
     import shardprop
-    from shardprop.parallel.context_parallel import context_parallel_unshard
+    from shardprop.parallel.cp.context_parallel import context_parallel_unshard
     mesh = _cp_mesh()
     rank = torch.distributed.get_rank()
     g = torch.Generator().manual_seed(3)
@@ -113,7 +113,7 @@ def _sdpa_in_context():
             h = x.transpose(1, 2)
             F.scaled_dot_product_attention(h, h, h, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     seen["restored_after_refusal"] = torch.equal(x, keep)
-    from shardprop.parallel.ring_attention import set_rotate_method
+    from shardprop.parallel.cp.ring_attention import set_rotate_method
     notes = []
     for forced in ("auto", "ring"):
         old = set_rotate_method(forced)

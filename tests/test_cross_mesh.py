@@ -175,13 +175,14 @@ def test_backward_across_different_rank_sets_raises_clearly():
 
 def _without_hook():
     from shardprop.tensor import conversions
-    hook, conversions.other_mesh_redistribute = conversions.other_mesh_redistribute, None
+    hook = conversions._other_mesh[0] if conversions._other_mesh else None
+    conversions.set_other_mesh_redistribute(None)
     try:
         _source(torch.ones(4), "1d4", ["S0"]).redistribute(_mesh("2x2"), _placements(["S0", "R"]))
     except ValueError as e:
         return hook is not None, str(e)
     finally:
-        conversions.other_mesh_redistribute = hook
+        conversions.set_other_mesh_redistribute(hook)
     return hook is not None, "no error"
 
 

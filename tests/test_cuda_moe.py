@@ -1,7 +1,7 @@
 """CUDA tier: mixture of experts on GPUs (skipped without a CUDA device; ``make test-gpu``).
 
 The uneven all-to-all on CUDA tensors of 4 ranks sharing the GPU over gloo (staged through the
-host: gloo/cuda all_to_all is staged in mesh/staging.py) against every rank's data, and the demo's
+host: gloo/cuda all_to_all is staged in mesh/transport/staging.py) against every rank's data, and the demo's
 MoE (``--moe``) on ep=4 and ep2 x tp2 sharing the GPU, and on a one-rank NCCL mesh, against one GPU.
 """
 import pytest
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.cuda
 
 def _uneven_on_gpu():
     from shardprop import init_device_mesh
-    from shardprop.mesh import all_to_all_uneven, staging
+    from shardprop.mesh import all_to_all_uneven
+    from shardprop.mesh.transport import staging
     mesh = init_device_mesh("cuda", (4,))
     dev, me, n = T.device(), dist.get_rank(), 4
     sizes = [[(r * 3 + j) % 4 for j in range(n)] for r in range(n)]

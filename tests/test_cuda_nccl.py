@@ -91,7 +91,7 @@ def test_gloo_cuda_paths_four_ranks_sharing_the_gpu():
 
 
 def _gloo_paths():
-    from shardprop.mesh import staging
+    from shardprop.mesh.transport import staging
     staging.stats.clear()
     problems = _nccl_paths("gloo")
     if not staging.stats.get("send_recv"):

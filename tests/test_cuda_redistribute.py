@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cuda
 def _sweep(mesh_shape, examples):
     """Rank side: each transition on CUDA tensors against the plain global tensor and the same on CPU."""
     from shardprop import Partial, init_device_mesh
-    from shardprop.mesh import staging
+    from shardprop.mesh.transport import staging
     from tests.test_redistribute import _reference_chunk
     from tests.test_staging import _redistribute_once
     cuda_mesh = init_device_mesh("cuda", mesh_shape)

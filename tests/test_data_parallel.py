@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardprop import DTensor, Partial, Replicate, Shard, comm_counter, distribute_tensor, init_device_mesh
-from shardprop.parallel.data_parallel import compute_bucket_assignment_by_size, replicate_gradients
+from shardprop.parallel.dp.data_parallel import compute_bucket_assignment_by_size, replicate_gradients
 from tests.rankpool import run_on_ranks
 
 R = Replicate()

@@ -1,4 +1,4 @@
-"""CPU collectives as direct point-to-point messages (``mesh/direct_collectives.py``).
+"""CPU collectives as direct point-to-point messages (``mesh/transport/direct_collectives.py``).
 
 On 4 gloo ranks, ``mesh.collectives``' all-gather, reduce-scatter (sum, avg, max, min),
 small all-reduce (in place or not) and all-to-all (even, uneven and empty splits), sync and async, on the whole mesh and on each dim
@@ -46,7 +46,7 @@ def _rank_data(shape, rank, salt=0):
 
 def _check_all(direct_on: bool):
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import direct_collectives as direct
+    from shardprop.mesh.transport import direct_collectives as direct
     old = direct.set_enabled(direct_on)
     guard = _gloo_collectives_forbidden() if direct_on else contextlib.nullcontext()
     checked = 0
@@ -107,7 +107,7 @@ def _check_all(direct_on: bool):
 def _comm_counts_unchanged():
     """``comm_counter`` names the logical collective and its bytes whichever way it travels."""
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import direct_collectives as direct
+    from shardprop.mesh.transport import direct_collectives as direct
     from shardprop import comm_counter, init_device_mesh
     mesh = init_device_mesh("cpu", (4,))
     seen = []
@@ -137,7 +137,7 @@ def test_comm_counter_sees_direct_collectives():
 
 
 def test_usable_only_for_eager_cpu_groups():
-    from shardprop.mesh import direct_collectives as direct
+    from shardprop.mesh.transport import direct_collectives as direct
     assert direct.usable(torch.ones(3), 4)
     assert not direct.usable(torch.ones(3), 1)  # nothing to exchange
     assert not direct.usable(torch.ones(3), direct.MAX_GROUP + 1)  # n^2 messages: the backend's own
@@ -179,7 +179,7 @@ def test_a_missing_rank_gives_an_error_not_a_hang():
 
 
 def test_errors_name_the_path_the_messages_took():
-    from shardprop.mesh import direct_collectives as direct
+    from shardprop.mesh.transport import direct_collectives as direct
 
     class _Broken:
         def wait(self, timeout=None):

@@ -35,7 +35,7 @@ def _all_to_all_body(async_op, direct_on):
     import torch.distributed as dist
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import direct_collectives as D
+    from shardprop.mesh.transport import direct_collectives as D
     from shardprop.mesh.async_tensor import AsyncTensor
 
     old = D.set_enabled(direct_on)
@@ -74,7 +74,7 @@ def _send_recv_body(async_op, direct_on, dtype=torch.float32):
     """Ring shift: rank r sends a strided column block to r+1, keeps the rest, receives r-1's into a strided view."""
     import torch.distributed as dist
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import direct_collectives as D
+    from shardprop.mesh.transport import direct_collectives as D
     from shardprop.mesh.async_tensor import AsyncTensor
 
     old = D.set_enabled(direct_on)

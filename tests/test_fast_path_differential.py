@@ -59,6 +59,18 @@ V, D, H, SEQ = 16, 8, 16, 8
 UNEVEN_H, UNEVEN_V = 10, 13
 STYLES = ("colwise", "rowwise", "mlp", "sp_norm", "prepare_input", "prepare_output", "embed_col", "embed_row",
           "loss_parallel")
+# Each registered fast path (shardprop.dispatch.fast_paths.REGISTRY) -> the drawn styles that run it; with
+# shardprop.fast_paths(False) the same case runs its engine twin. A fast path registered without an entry
+# here fails test_every_registered_fast_path_is_drawn, so none goes untested.
+COVERS = {
+    "linear": ("colwise", "rowwise", "mlp", "prepare_input", "prepare_output"),
+    "embedding": ("embed_col", "embed_row"),
+    "sp_norm": ("sp_norm", "prepare_input"),
+    "grad_sync": ("sp_norm", "rowwise", "prepare_input"),  # partial gradients of norm weights, biases
+    "optimizer_foreach": ("colwise", "mlp", "sp_norm"),     # cases that draw an optimizer
+    "detach": ("colwise", "rowwise", "mlp"),               # AccumulateGrad detaches every gradient
+}
+ENGINE_ONLY = ("loss_parallel",)  # drawn too: no fast path of its own, both runs take the engine path
 SEQUENCE_STYLES = ("sp_norm", "prepare_input", "prepare_output")
 ID_STYLES = ("embed_col", "embed_row")
 
@@ -231,7 +243,7 @@ def _run(case, model, opt, fast, tp, dp, in_dim, out_dim, full_in, targets, g):
     """Forward (and backward and optimizer steps) of one model: what is compared, per step."""
     import shardprop
     from shardprop import DTensor, Shard
-    from shardprop.parallel.loss_parallel import loss_parallel
+    from shardprop.parallel.tp.loss_parallel import loss_parallel
     dist_ = tp is not None
     dtype = torch.float64 if case["double"] else torch.float32
     steps = 2 if case["mode"] == "grad" and case["opt"] else 1
@@ -496,8 +508,25 @@ def cases(draw, style=None):
     )
 
 
+def registry_styles() -> tuple:
+    """The styles drawn: those covering each registered fast path (in STYLES' order), and the engine-only ones."""
+    from shardprop.dispatch.fast_paths import REGISTRY
+    wanted = {s for name in REGISTRY for s in COVERS[name]} | set(ENGINE_ONLY)
+    return tuple(s for s in STYLES if s in wanted)
+
+
+def test_every_registered_fast_path_is_drawn():
+    from shardprop.dispatch.fast_paths import REGISTRY
+    missing = sorted(set(REGISTRY) - set(COVERS))
+    assert not missing, f"fast paths without drawn cases (add them to COVERS): {missing}"
+    assert not set(COVERS) - set(REGISTRY), f"COVERS names fast paths that are not registered: {set(COVERS) - set(REGISTRY)}"
+    assert all(s in STYLES for styles in COVERS.values() for s in styles)
+    assert all(REGISTRY[name].engine for name in REGISTRY), "each fast path names its engine twin"
+    assert set(registry_styles()) == set(STYLES), "a drawn style covers no fast path"
+
+
 def batches(per_style):
-    return st.tuples(*[st.lists(cases(s), min_size=per_style, max_size=per_style) for s in STYLES])
+    return st.tuples(*[st.lists(cases(s), min_size=per_style, max_size=per_style) for s in registry_styles()])
 
 
 def _check_batch(batch, timeout):

@@ -147,8 +147,9 @@ def test_env_var_turns_fast_paths_off():
     env = dict(os.environ, SHARDPROP_FAST_PATHS="0")  # one interpreter (importing torch costs seconds)
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "False", (got.stdout, got.stderr)
-    from shardprop.dispatch.fast_paths import _OFF
-    assert {"0", "off", "false"} <= set(_OFF) and "1" not in _OFF
+    from shardprop.mesh.config import BY_NAME
+    fast = BY_NAME["fast_paths"]
+    assert not any(fast.coerce(t) for t in ("0", "off", "false", "OFF")) and fast.coerce("1")
 
 
 def test_switch_api_restores_previous_setting():

@@ -118,7 +118,7 @@ def test_cpu_offload_on_a_cpu_mesh():
 
 def _last_backward_and_override():
     from shardprop import MixedPrecisionPolicy
-    from shardprop.parallel.fsdp_hooks import units_under
+    from shardprop.parallel.fsdp.hooks import units_under
     model = _shard("shardprop", Net())
     x, y = _data(0)
     model.set_is_last_backward(False)

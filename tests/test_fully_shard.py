@@ -333,7 +333,7 @@ def test_fsdp_tp_2x2_mixed_precision_bf16_within_tolerance():
 
 def _gather_mode(into_views, async_gather, fn, *args):
     """Run ``fn`` with units gathering the given way (by default gloo gathers flat and synchronously)."""
-    from shardprop.parallel import fsdp_unit
+    from shardprop.parallel.fsdp import unit as fsdp_unit
     fsdp_unit.GATHER_INTO_VIEWS, fsdp_unit.ASYNC_GATHER = into_views, async_gather
     try:
         return fn(*args)

@@ -167,3 +167,121 @@ def test_public_names_stay(name):
     import shardprop
     assert hasattr(shardprop, name), f"shardprop.{name} is gone"
     assert name in shardprop.__all__
+
+
+# ---------------------------------------------------------------- rooms wired in the open
+# The one module that may give a class defined elsewhere its methods (DTensor's, listed there).
+ASSEMBLY = "shardprop.assembly"
+# The one module that may hold `global` statements (at most MAX_GLOBALS): the settings table.
+SETTINGS_MODULE = "shardprop.mesh.config"
+MAX_GLOBALS = 5
+_MUTATORS = {"append", "extend", "insert", "pop", "update", "clear", "remove", "setdefault", "add", "discard",
+             "popitem"}
+
+
+def _imported_product_names(mod, is_pkg, tree, mods):
+    """Local name -> dotted product name, for every name this module imports from another product module."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if _resolve(a.name, mods) not in (None, mod):
+                    out[a.asname or a.name.split(".")[0]] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod if is_pkg else mod.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = f"{pkg}.{base}" if base else pkg
+            for a in node.names:
+                if _resolve(f"{base}.{a.name}", mods) not in (None, mod):
+                    out[a.asname or a.name] = f"{base}.{a.name}"
+    return out
+
+
+def _root_name(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def foreign_writes(mod, source, mods, is_pkg=False):
+    """Writes in ``source`` into what another product module owns: its attributes (or items under them), a
+    class it defines (``Cls.attr = ...``, ``setattr(Cls, ...)``), or a container it holds (``mod.table.update``)."""
+    tree = ast.parse(source)
+    names = _imported_product_names(mod, is_pkg, tree, mods)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for t in [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and _root_name(t) in names:
+                found.append(f"{mod}:{node.lineno}: {ast.unparse(t)} = ... ({names[_root_name(t)]})")
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in ("setattr", "delattr") and node.args \
+                    and _root_name(node.args[0]) in names:
+                found.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(f, ast.Attribute) and f.attr in _MUTATORS and isinstance(f.value, ast.Attribute) \
+                    and _root_name(f.value) in names:
+                found.append(f"{mod}:{node.lineno}: {ast.unparse(f)}(...) ({names[_root_name(f.value)]})")
+    return found
+
+
+def global_statements(source):
+    """Line numbers of the ``global`` statements in ``source``."""
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Global)]
+
+
+def environment_reads(source, prefix="SHARDPROP_"):
+    """Line numbers where ``source`` reads a ``prefix*`` environment variable (``os.environ``/``getenv``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Call, ast.Subscript)) and ("environ" in ast.unparse(node) or
+                                                           "getenv" in ast.unparse(node)):
+            parts = node.args if isinstance(node, ast.Call) else [node.slice]
+            if any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith(prefix)
+                   for a in parts):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_writes_into_another_modules_attributes():
+    mods = _modules()
+    bad = []
+    for mod, path in mods.items():
+        if mod != ASSEMBLY:
+            bad += foreign_writes(mod, path.read_text(), mods, path.name == "__init__.py")
+    assert not bad, ("modules write into what another module owns (add a registration function there, or "
+                     "list it in shardprop/assembly.py):\n" + "\n".join(bad))
+
+
+def test_global_statements_only_in_the_settings_module():
+    counts = {m: len(global_statements(p.read_text())) for m, p in _modules().items()}
+    elsewhere = {m: n for m, n in counts.items() if n and m != SETTINGS_MODULE}
+    assert not elsewhere, f"`global` outside {SETTINGS_MODULE} (keep state in an object): {elsewhere}"
+    assert counts[SETTINGS_MODULE] <= MAX_GLOBALS
+
+
+def test_shardprop_environment_variables_are_read_in_the_settings_module_only():
+    reads = {m: environment_reads(p.read_text()) for m, p in _modules().items() if m != SETTINGS_MODULE}
+    assert not {m: r for m, r in reads.items() if r}, reads
+
+
+def test_the_wiring_checks_can_fail():
+    mods = _modules()
+    src = ("from shardprop.dispatch import dispatcher as d\nfrom shardprop.tensor.dtensor import DTensor\n"
+           "import shardprop.mesh.groups\n"
+           "d.recorder = 1\nDTensor.foo = 2\nsetattr(DTensor, 'bar', 3)\nd.SPECIAL[1] = 2\nd.POSITIONWISE.update(())\n"
+           "shardprop.mesh.groups._timeout = 4\nx = d.recorder\nlocal = {}\nlocal['a'] = 1\n")
+    found = foreign_writes("shardprop.ops.fake", src, mods)
+    assert sorted(int(f.split(":")[1]) for f in found) == [4, 5, 6, 7, 8, 9], found
+    assert global_statements("x = 1\ndef f():\n    global x\n    x = 2\n") == [3]
+    assert environment_reads("import os\na = os.environ.get('SHARDPROP_X', '1')\nb = os.environ['SHARDPROP_Y']\n"
+                             "c = os.environ.get('HOME')\n") == [2, 3]

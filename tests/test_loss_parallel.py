@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardprop import (ColwiseParallel, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh,
                        loss_parallel, parallelize_module)
 from shardprop.dispatch import dispatcher as sp_dispatch
-from shardprop.parallel.loss_parallel import HANDLERS
+from shardprop.parallel.tp.loss_parallel import HANDLERS
 from tests.rankpool import run_on_ranks
 
 R = Replicate()

@@ -242,7 +242,7 @@ def _memo_follows_rules():
     seen.append(torch.sqrt(x.abs()).placements)
     # With the propagation cache switched off nothing is remembered: every call propagates.
     from shardprop.dispatch import propagate
-    size = propagate.propagate.cache_info().maxsize
+    size = propagate.cache_info().maxsize
     shardprop.set_cache_size(0)
     try:
         for _ in range(3):

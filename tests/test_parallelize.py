@@ -16,7 +16,7 @@ from shardprop import (ColwiseParallel, DTensor, PrepareModuleInput, PrepareModu
                        RowwiseParallel, SequenceParallel, Shard, comm_counter, distribute_module, distribute_tensor,
                        init_device_mesh, parallelize_module)
 from shardprop.tensor.dtensor import local_chunk
-from shardprop.parallel.parallelize import match_submodules
+from shardprop.parallel.tp.parallelize import match_submodules
 from tests.rankpool import run_on_ranks
 
 R = Replicate()

@@ -265,7 +265,7 @@ def test_weights_only_still_refuses_other_classes():
 def test_only_our_value_types_are_allowlisted():
     import shardprop
     from shardprop.checkpoint import pickling
-    from shardprop.parallel.grad_sync import GradLike
+    from shardprop.parallel.fast.grad_sync import GradLike
     ours = [g for g in torch.serialization.get_safe_globals()
             if getattr(g, "__module__", "").startswith("shardprop")]
     expected = {shardprop.DTensor, shardprop.DTensorSpec, shardprop.TensorMeta, shardprop.Shard,

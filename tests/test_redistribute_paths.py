@@ -473,7 +473,7 @@ def _time_both(mesh_shape, src_c, dst_c, n, reps):
 
 
 # Measured on gloo (4 CPU ranks on 2 shared cores, 16 MB) before CPU all-gathers became direct
-# messages themselves (mesh/direct_collectives.py): a direct point-to-point gather beat gloo's ring
+# messages themselves (mesh/transport/direct_collectives.py): a direct point-to-point gather beat gloo's ring
 # all-gather by 1.2x (S(0)->R) to 2.2x ([S(0),S(1)]->[R,R]); the prices tie on bytes and the
 # collective wins on latency. Now both plans send direct messages on CPU; the mark stays non-strict
 # for SHARDPROP_DIRECT_COLLECTIVES=0, where the misranking is still there.

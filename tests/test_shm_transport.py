@@ -1,4 +1,4 @@
-"""Direct collectives through shared memory between ranks of one host (``mesh/shm_transport.py``).
+"""Direct collectives through shared memory between ranks of one host (``mesh/transport/shm_transport.py``).
 
 4 gloo ranks on this host: the transport is set up when a mesh is built; collectives give plain
 torch's values and their messages went through the rings (counted); a small ring wraps around
@@ -21,15 +21,11 @@ def _rank_data(shape, rank, salt=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * salt + rank))
 
 
-def _reattach(**env):
-    """Set ``env`` (None: unset) and set the transport up again (collective); returns the old values."""
-    from shardprop.mesh import shm_transport
-    old = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def _reattach(**settings):
+    """Change ``settings`` (config names) and set the transport up again (collective); returns the old values."""
+    from shardprop.mesh import config
+    from shardprop.mesh.transport import shm_transport
+    old = {k: config.set(k, v) for k, v in settings.items()}
     shm_transport.detach()
     shm_transport.attach()
     return old
@@ -38,7 +34,7 @@ def _reattach(**env):
 def _collectives_through_rings():
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import shm_transport
+    from shardprop.mesh.transport import shm_transport
     mesh = init_device_mesh("cpu", (4,))
     t = shm_transport.active()
     assert t is not None and t.rank == dist.get_rank()
@@ -65,7 +61,7 @@ def _big_all_reduce():
     """All-reduces over 1 MB go as reduce-scatter + all-gather through the rings (uneven chunks too)."""
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import shm_transport
+    from shardprop.mesh.transport import shm_transport
     mesh = init_device_mesh("cpu", (4,))
     me, t = dist.get_rank(), shm_transport.active()
     datas = [_rank_data((300_001,), r, 5) for r in range(4)]
@@ -86,8 +82,8 @@ def _wrap_and_fill():
     """A 64 KB ring (32 KB chunks): many posted collectives wrap it and fill it up; big messages stream."""
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import shm_transport
-    old = _reattach(SHARDPROP_SHM_RING_MB="0.0625")
+    from shardprop.mesh.transport import shm_transport
+    old = _reattach(shm_ring_mb=0.0625)
     try:
         mesh = init_device_mesh("cpu", (4,))
         t = shm_transport.active()
@@ -118,7 +114,7 @@ def _wrap_and_fill():
         x = _rank_data((64, 1024), me, 98)
         out = torch.full((64, 1024), -1.0)
         group, ranks = mesh.group_for((0,))
-        from shardprop.mesh import direct_collectives as direct
+        from shardprop.mesh.transport import direct_collectives as direct
         direct.all_to_all_views(list(out.chunk(4, 1)), list(x.chunk(4, 1)), group, ranks).wait()
         assert torch.equal(out, torch.cat([_rank_data((64, 1024), r, 98).chunk(4, 1)[me] for r in range(4)], 1))
         return checked
@@ -133,7 +129,7 @@ def test_a_small_ring_wraps_fills_and_delivers_in_order():
 def _strided_pieces():
     """All-to-all of column blocks (strided sends) into column blocks (strided receives)."""
     from shardprop import init_device_mesh
-    from shardprop.mesh import direct_collectives as direct
+    from shardprop.mesh.transport import direct_collectives as direct
     mesh = init_device_mesh("cpu", (4,))
     group, ranks = mesh.group_for((0,))
     me = dist.get_rank()
@@ -151,7 +147,7 @@ def test_strided_pieces_are_copied_straight_from_and_into_their_views():
 def _different_calls():
     """Rank 1 sends 4 floats where rank 0 expects 8: rank 0 gets an error naming both sizes."""
     from shardprop import init_device_mesh
-    from shardprop.mesh import direct_collectives as direct
+    from shardprop.mesh.transport import direct_collectives as direct
     init_device_mesh("cpu", (4,))
     me, msg = dist.get_rank(), "no error"
     try:
@@ -177,7 +173,7 @@ def _two_hosts():
     from unittest import mock
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import shm_transport
+    from shardprop.mesh.transport import shm_transport
     me = dist.get_rank()
     with mock.patch.object(shm_transport, "_host_id", lambda: f"host{me // 2}"):
         _reattach()
@@ -211,9 +207,9 @@ def _ring_sizes_differ():
     """Ranks given different ring sizes agree on one (the smallest) and still deliver."""
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import shm_transport
+    from shardprop.mesh.transport import shm_transport
     me = dist.get_rank()
-    old = _reattach(SHARDPROP_SHM_RING_MB="0.0625" if me == 0 else "1")
+    old = _reattach(shm_ring_mb=0.0625 if me == 0 else 1)
     try:
         mesh = init_device_mesh("cpu", (4,))
         big = _rank_data((64, 512), me, 7)  # 128 KB: streamed in 32 KB chunks
@@ -230,8 +226,8 @@ def test_ranks_given_different_ring_sizes_agree_on_one():
 def _switched_off():
     from shardprop import init_device_mesh
     from shardprop.mesh import collectives as C
-    from shardprop.mesh import shm_transport
-    old = _reattach(SHARDPROP_SHM_TRANSPORT="0")
+    from shardprop.mesh.transport import shm_transport
+    old = _reattach(shm_transport=False)
     try:
         off = shm_transport.active() is None
         mesh = init_device_mesh("cpu", (4,))

@@ -1,5 +1,5 @@
-"""SequenceParallel's eager fast path for torch's norms (shardprop.parallel.fused_norm) and the coalesced
-Partial -> Replicate gradient reduction (shardprop.parallel.grad_sync), against one process of plain torch.
+"""SequenceParallel's eager fast path for torch's norms (shardprop.parallel.fast.fused_norm) and the coalesced
+Partial -> Replicate gradient reduction (shardprop.parallel.fast.grad_sync), against one process of plain torch.
 
 Covered: LayerNorm with and without bias, without affine parameters, RMSNorm; outputs, input and
 parameter gradients, parameters after SGD and AdamW steps; tp=2 and the tp dim of a 2x2 dp x tp

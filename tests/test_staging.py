@@ -1,4 +1,4 @@
-"""Staging through host memory (mesh/staging.py): the capability table, and the staged paths run on CPU.
+"""Staging through host memory (mesh/transport/staging.py): the capability table, and the staged paths run on CPU.
 
 Without a GPU the staged path is exercised by forcing it for CPU tensors (``staging.force``):
 ``"cuda"`` routes CPU tensors on gloo as CUDA tensors would go, ``"all"`` stages every call.
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import staging
+from shardprop.mesh.transport import staging
 from tests.rankpool import get_pool, run_on_ranks
 
 
@@ -85,7 +85,7 @@ def test_host_copies_are_new_tensors():
 
 
 def test_shm_and_direct_messages_refuse_device_memory():
-    from shardprop.mesh import direct_collectives as direct
+    from shardprop.mesh.transport import direct_collectives as direct
     meta = torch.empty(4, device="meta")  # any non-host tensor: refused before anything is posted
     with pytest.raises(TypeError, match="host memory only"):
         direct.exchange([(meta, 1, 0)], [], None)

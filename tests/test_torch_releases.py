@@ -27,8 +27,8 @@ def test_range_is_checked_by_release():
 
 
 def test_outside_range_can_be_allowed_with_a_warning(monkeypatch):
-    monkeypatch.setenv(compat.ALLOW_ANY_TORCH_ENV, "1")
-    with pytest.warns(RuntimeWarning, match="supports torch"):
+    from shardprop import config
+    with config.patch(allow_any_torch=True), pytest.warns(RuntimeWarning, match="supports torch"):
         compat.check_torch_release("2.4.1")
 
 

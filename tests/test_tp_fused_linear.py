@@ -1,4 +1,4 @@
-"""The eager fast path of ColwiseParallel / RowwiseParallel on nn.Linear (shardprop.parallel.fused_linear)
+"""The eager fast path of ColwiseParallel / RowwiseParallel on nn.Linear (shardprop.parallel.fast.fused_linear)
 against the same modules on one process: outputs, losses, input and parameter gradients, and
 parameters after SGD and AdamW steps; on tp=2 and on the tp dim of a 2x2 dp x tp mesh.
 

@@ -76,8 +76,8 @@ def _rows(t, dp):
 def _block_cases(chk, tp, dp):
     """MLP and attention blocks alone (no sequence parallelism): colwise in, rowwise out."""
     from shardprop.demo.model import Attention, FeedForward
-    from shardprop.parallel.styles import ColwiseParallel, RowwiseParallel
-    from shardprop.parallel.parallelize import parallelize_module
+    from shardprop.parallel.tp.styles import ColwiseParallel, RowwiseParallel
+    from shardprop.parallel.tp.parallelize import parallelize_module
     cfg = _cfg()
     blocks = {
         "mlp": (FeedForward, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}),
@@ -116,14 +116,14 @@ def _sync(model, dp):
     """shardprop's bucketed gradient averaging over dp (a no-op without dp)."""
     if dp is None:
         return _NoSync()
-    from shardprop.parallel.data_parallel import replicate_gradients
+    from shardprop.parallel.dp.data_parallel import replicate_gradients
     return replicate_gradients(model, dp)
 
 
 def _model_cases(chk, tp, dp):
     """The whole model: logits, loss and every gradient, dp ranks on their rows of the batch."""
     from shardprop.demo.model import Llama, lm_loss, synthetic_batch, tp_plan
-    from shardprop.parallel.parallelize import parallelize_module
+    from shardprop.parallel.tp.parallelize import parallelize_module
     cfg = _cfg()
     ref = Llama(cfg, seed=3)
     model = parallelize_module(Llama(cfg, seed=3), tp, tp_plan())
@@ -149,7 +149,7 @@ def _model_cases(chk, tp, dp):
 def _train_cases(chk, tp, dp, steps=5):
     """Parameters after ``steps`` optimizer steps, for SGD and AdamW."""
     from shardprop.demo.model import Llama, lm_loss, make_optimizer, synthetic_batch, tp_plan
-    from shardprop.parallel.parallelize import parallelize_module
+    from shardprop.parallel.tp.parallelize import parallelize_module
     cfg = _cfg()
     for opt_name in ("sgd", "adamw"):
         ref = Llama(cfg, seed=4)

@@ -378,7 +378,7 @@ def test_uneven_styles_match_one_process_and_torch(shape, names):
 def test_strict_check_still_names_uneven_dims():
     """``check_divisible`` keeps the old error for a strict mode to raise (the styles no longer do by default)."""
     from shardprop import ColwiseParallel, RowwiseParallel, SequenceParallel
-    from shardprop.parallel.styles import check_divisible
+    from shardprop.parallel.tp.styles import check_divisible
     mesh = SimpleNamespace(size=lambda: 4)  # the check reads only the mesh size
     uneven = [(ColwiseParallel(), nn.Linear(16, 10), "weight dim 0 of size 10"),
               (RowwiseParallel(), nn.Linear(10, 16), "weight dim 1 of size 10"),

@@ -34,12 +34,11 @@ from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import conversions as _conv
 from shardprop.tensor.dtensor import DTensor, make_spec
-from shardprop.tensor.placement import Partial, Replicate, normalize_placements
+from shardprop.tensor.placement import Replicate, normalize_placements, without_partial
 from shardprop.tensor.redistribute import redistribute_local
 
 
-def _no_partial(placements):
-    return tuple(Replicate() if type(p) is Partial else p for p in placements)
+_no_partial = without_partial
 
 
 def move_local(local, src_spec, dst_mesh, dst_placements) -> torch.Tensor:
@@ -201,5 +200,3 @@ def redistribute_to_mesh(dt: DTensor, device_mesh, placements, async_op: bool = 
         raise
     return CrossMesh.apply(dt, device_mesh, placements)
 
-
-_conv.other_mesh_redistribute = redistribute_to_mesh

@@ -34,9 +34,8 @@ import torch
 from shardprop.checkpoint.chunks import shard_box
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor.dtensor import DTensor
-from shardprop.tensor.placement import Partial, Replicate
+from shardprop.tensor.placement import Partial, without_partial
 from shardprop.tensor.redistribute import redistribute_local
-from shardprop.tensor.spec import DTensorSpec
 
 
 def _box(dt: DTensor):
@@ -54,7 +53,7 @@ def _value_to_write(dt: DTensor) -> torch.Tensor:
             # same process groups: a collective here could interleave with the step's and hang.
             raise ValueError(f"dcp.async_save: a DTensor with placements {list(spec.placements)} would need a "
                              "reduction in DCP's background thread; redistribute Partial to Replicate first")
-        target = tuple(Replicate() if type(p) is Partial else p for p in spec.placements)
+        target = without_partial(spec.placements)
         local = redistribute_local(local, spec, target)
     return local
 
@@ -122,13 +121,6 @@ def get_tensor_shard(self: DTensor, index) -> torch.Tensor:
     return value if value is not None else wait_all(self._local_tensor)
 
 
-def _spec_deepcopy(self, memo):
-    return self  # immutable and interned: a copy is the spec itself
-
-
-# dcp.async_save's stager deep-copies a tensor's attributes; a spec must not copy its mesh's groups.
-if "__deepcopy__" not in DTensorSpec.__dict__:
-    DTensorSpec.__deepcopy__ = _spec_deepcopy
-DTensor.__create_write_items__ = create_write_items
-DTensor.__create_chunk_list__ = create_chunk_list
-DTensor.__get_tensor_shard__ = get_tensor_shard
+# DTensor's __create_write_items__/__create_chunk_list__/__get_tensor_shard__ are the functions above,
+# given to the class in shardprop/assembly.py. (dcp.async_save's stager deep-copies a tensor's
+# attributes: DTensorSpec.__deepcopy__ returns the spec itself, so no copy of its mesh's groups.)

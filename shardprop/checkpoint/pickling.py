@@ -42,7 +42,7 @@ def _rebindable_hooks(t: torch.Tensor) -> tuple:
     """The tensor's gradient hooks that can follow it into a copy: those with ``rebind(tensor)``.
 
     torch drops tensor hooks when it pickles or copies a parameter; a parallel style's hook
-    (``shardprop.parallel.grad_sync.GradLike``) lays the gradient out like the parameter, so a
+    (``shardprop.parallel.fast.grad_sync.GradLike``) lays the gradient out like the parameter, so a
     copy without it would train on the wrong gradient layout. Closures stay dropped, as in torch.
     """
     hooks = getattr(t, "_backward_hooks", None)
@@ -55,7 +55,7 @@ def _register_hooks(t: torch.Tensor, hooks) -> None:
             t.register_hook(h.rebind(t))
 
 
-def _reduce_ex(self: DTensor, proto):
+def reduce_ex(self: DTensor, proto):
     """DTensor.__reduce_ex__: the wrapper's metadata, then (local tensor, spec) as its state."""
     local = self._local_tensor
     if isinstance(local, AsyncTensor):  # a collective still in flight: pickle its result
@@ -71,7 +71,7 @@ def _reduce_ex(self: DTensor, proto):
     return (torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_wrapper_subclass, type(self), wrapper, state))
 
 
-def _setstate(self: DTensor, state) -> None:
+def setstate(self: DTensor, state) -> None:
     """DTensor.__setstate__ (called by ``_rebuild_from_type_v2``): check the state, then set it."""
     if type(state) is not dict or not set(state) <= set(_STATE_KEYS) or not {"_local_tensor", "_spec"} <= set(state):
         raise ValueError(f"DTensor: malformed pickled state (keys {sorted(state) if type(state) is dict else state!r})")
@@ -121,7 +121,7 @@ def _checked_placements(placements, ndim: int, mesh_ndim: int) -> tuple:
     return tuple(out)
 
 
-def _deepcopy(self: DTensor, memo) -> DTensor:
+def deepcopy_dtensor(self: DTensor, memo) -> DTensor:
     """DTensor.__deepcopy__: its own copy of the local tensor, the same spec (and mesh)."""
     if id(self) in memo:
         return memo[id(self)]
@@ -143,7 +143,6 @@ def _deepcopy(self: DTensor, memo) -> DTensor:
     return new
 
 
-DTensor.__reduce_ex__ = _reduce_ex
-DTensor.__setstate__ = _setstate
-DTensor.__deepcopy__ = _deepcopy
+# DTensor's __reduce_ex__/__setstate__/__deepcopy__ are the functions above, given to the class in
+# shardprop/assembly.py (this room is above the class's own).
 torch.serialization.add_safe_globals(SAFE_GLOBALS)

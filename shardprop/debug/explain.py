@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import List
 
-from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch import hooks as _hooks
 
 
 @dataclass(frozen=True)
@@ -124,12 +124,11 @@ def explain():
         >>> print(ex)  # doctest: +SKIP
     """
     ex = Explanation()
-    prev = _dispatch.recorder
-    _dispatch.recorder = ex
+    prev = _hooks.set_recorder(ex)
     try:
         yield ex
     finally:
-        _dispatch.recorder = prev
+        _hooks.set_recorder(prev)
 
 
 class ImplicitRedistributionError(RuntimeError):
@@ -158,9 +157,8 @@ def explicit(mode: str = "raise"):
             raise ImplicitRedistributionError(msg + ". Redistribute the inputs explicitly first.")
         warnings.warn(msg, stacklevel=4)
 
-    prev = _dispatch.explicit_mode
-    _dispatch.explicit_mode = guard
+    prev = _hooks.set_explicit_mode(guard)
     try:
         yield
     finally:
-        _dispatch.explicit_mode = prev
+        _hooks.set_explicit_mode(prev)

@@ -7,10 +7,10 @@ This module only reads those counters: the engine never imports it.
 from __future__ import annotations
 
 import atexit
-import os
 from typing import List
 
 from shardprop.dispatch import dispatcher, propagate
+from shardprop.mesh.config import values as _settings
 
 
 def cache_stats() -> List[dict]:
@@ -23,7 +23,7 @@ def cache_stats() -> List[dict]:
         'aten.mm.default'
     """
     calls = dispatcher.call_counts()
-    live = propagate.propagate.cache_info().currsize
+    live = propagate.cache_info().currsize
     inserted = sum(propagate.inserted.values())
     # Exact unless the cache evicted entries; then each op's share of the live ones.
     scale = 1.0 if inserted <= live else live / inserted
@@ -75,5 +75,5 @@ def _print_at_exit() -> None:
         print_cache_stats()
 
 
-if os.environ.get("SHARDPROP_CACHE_STATS") == "1":
+if _settings.cache_stats:
     atexit.register(_print_at_exit)

@@ -5,7 +5,7 @@
                     fewer GPUs than ranks (one GPU, or 2-3 GPUs for the default 4 ranks): the
                     ranks share the GPUs round-robin (rank % GPUs) over gloo, which NCCL
                     cannot do ("Duplicate GPU detected"); gloo then carries CUDA tensors, and
-                    what it has no CUDA path for is staged through host memory (mesh/staging.py).
+                    what it has no CUDA path for is staged through host memory (mesh/transport/staging.py).
                     ``--nproc 2`` on 2 GPUs is NCCL again.
     --device auto   (the default) cuda when torch sees a GPU, else cpu.
 
@@ -43,7 +43,7 @@ class DevicePlan:
         where = "cuda:0" if used == 1 else f"cuda:0..cuda:{used - 1}"
         if self.backend == "nccl":
             return f"{self.nproc} ranks on {where}, one GPU per rank, NCCL carrying every collective"
-        from shardprop.mesh import staging
+        from shardprop.mesh.transport import staging
         direct = [c for c in staging.CALLS if staging.route(c, "cuda", "gloo") == staging.DIRECT]
         staged = [c for c in staging.CALLS if staging.route(c, "cuda", "gloo") == staging.STAGE]
         share = "" if used == 1 else f" (rank r on cuda:r % {used})"

@@ -61,7 +61,7 @@ class LlamaConfig:
 
 # torch's own RMSNorm: ``x * rsqrt(mean(x^2) + eps) * weight`` (the formula this model always used;
 # state-dict key ``weight``). Being torch's class, a SequenceParallel style runs it on the local
-# sequence piece without DTensor dispatch (shardprop.parallel.fused_norm).
+# sequence piece without DTensor dispatch (shardprop.parallel.fast.fused_norm).
 RMSNorm = nn.RMSNorm
 
 

@@ -2,5 +2,5 @@
 propagation, the rule registry, decomposition of rule-less ops, random ops, and cache control.
 
 Imports ``shardprop.tensor`` and ``shardprop.mesh``; tools observe it through hooks it calls
-(``dispatcher.recorder``, ``propagate.no_rule_hints``), never by being imported here.
+(``hooks.hooks.recorder``, ``propagate.add_no_rule_hint``), never by being imported here.
 """

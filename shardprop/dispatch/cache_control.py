@@ -7,9 +7,8 @@ so only a module above both may touch both.
 """
 from __future__ import annotations
 
-import functools
-
 from shardprop.dispatch import dispatcher, propagate, registry
+from shardprop.mesh import config as _config
 
 
 def clear_cache() -> None:
@@ -18,7 +17,7 @@ def clear_cache() -> None:
     Example:
         >>> shardprop.clear_cache()  # doctest: +SKIP
     """
-    propagate.propagate.cache_clear()
+    propagate.cache_clear()
     dispatcher.clear_memos()
     reset_counts()
 
@@ -35,9 +34,10 @@ def set_cache_size(n: int) -> None:
     Example:
         >>> shardprop.set_cache_size(1 << 20)  # doctest: +SKIP
     """
-    propagate.propagate = functools.lru_cache(maxsize=n)(propagate._propagate)
-    dispatcher._propagate = propagate.propagate
-    dispatcher._MEMO_SIZE = 1024 if n is None or n > 0 else 0  # no cache: nothing remembered either
+    _config.set("cache_size", n)  # propagate's watcher resizes the cache, _resized clears the memos
+
+
+def _resized(n) -> None:
     dispatcher.clear_memos()
     reset_counts()
 
@@ -52,4 +52,5 @@ def set_fallback_to_replicate(enabled: bool) -> None:
     clear_cache()
 
 
-registry._listeners.append(clear_cache)  # a new or removed rule invalidates cached strategies
+registry.add_listener(clear_cache)  # a new or removed rule invalidates cached strategies
+_config.watch("cache_size", _resized)

@@ -29,13 +29,15 @@ call takes the rule path (and raises the usual no-rule error).
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch
 
+from shardprop.dispatch import hooks as _hooks
 from shardprop.dispatch import dispatcher as dispatch
 from shardprop.dispatch import propagate, registry
+from shardprop.mesh import config as _config
+from shardprop.mesh.config import values as _settings
 
 aten = torch.ops.aten
 
@@ -50,7 +52,6 @@ DEFAULT_OPS = ["norm.Scalar", "norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype", 
 NEVER = {"native_batch_norm.default", "_native_batch_norm_legit.default", "_native_batch_norm_legit.no_stats",
          "_native_batch_norm_legit_no_training.default"}
 
-_enabled = os.environ.get("SHARDPROP_DECOMPOSE", "0") == "1"
 _installed = set()  # ops this module installed a handler for
 _active = threading.local()  # ops whose decomposition is running on this thread
 
@@ -141,7 +142,7 @@ def install(op) -> bool:
     """
     if _decomposition(op) is None:
         return False
-    current = dispatch.SPECIAL.get(op)
+    current = dispatch.special_handler(op)
     if current is not None and current is not _handler:
         return False  # another special handler owns this op
     dispatch.register_special(op, _handler, outside_safe=True)  # its ops come back through the dispatcher
@@ -151,9 +152,8 @@ def install(op) -> bool:
 
 def uninstall(op) -> None:
     """Undo :func:`install` (the op goes back to its rule, or the no-rule error)."""
-    if dispatch.SPECIAL.get(op) is _handler:
-        dispatch.SPECIAL.pop(op, None)
-        dispatch._OPS.pop(op, None)
+    if dispatch.special_handler(op) is _handler:
+        dispatch.unregister_special(op)
     _installed.discard(op)
 
 
@@ -182,21 +182,19 @@ def set_decompose_fallback(enabled: bool) -> None:
         >>> shardprop.set_decompose_fallback(True)  # doctest: +SKIP
         >>> torch.nn.functional.glu(x)               # no rule for glu: runs its decomposition
     """
-    global _enabled
-    _enabled = bool(enabled)
-    _sync()
+    _config.set("decompose", enabled)  # its watcher, _sync, installs or removes the handlers
 
 
 def _sync() -> None:
     """Handlers exactly on the wanted ops that have no rule (a rule, even a later one, wins)."""
     wanted = set(_curated())
-    if _enabled:
+    if _settings.decompose:
         wanted.update(_all_decomposable())
     for op in list(_installed):
         if registry.lookup(op) is not None or (op not in wanted and composite_kernel(op) is None):
             uninstall(op)
     for op in wanted:
-        if op not in _installed and registry.lookup(op) is None and op not in dispatch.SPECIAL:
+        if op not in _installed and registry.lookup(op) is None and dispatch.special_handler(op) is None:
             install(op)
     # A composite op seen before while it had a rule, whose rule is gone now: decompose it again.
     for op, rec in list(dispatch._OPS.items()):
@@ -213,7 +211,7 @@ def _on_first_call(op):
 
 def decompose_fallback_enabled() -> bool:
     """Whether :func:`set_decompose_fallback` is on."""
-    return _enabled
+    return _settings.decompose
 
 
 def is_decomposed(op) -> bool:
@@ -223,7 +221,7 @@ def is_decomposed(op) -> bool:
         >>> is_decomposed(torch.ops.aten.mm.default)  # has a rule
         False
     """
-    return dispatch.SPECIAL.get(op) is _handler and registry.lookup(op) is None
+    return dispatch.special_handler(op) is _handler and registry.lookup(op) is None
 
 
 def no_rule_hint(op) -> str:
@@ -241,7 +239,8 @@ def no_rule_hint(op) -> str:
             "decomposition of it through the dispatcher")
 
 
+_config.watch("decompose", lambda _on: _sync())
 _sync()
-registry._listeners.append(_sync)
-dispatch.first_call_hook = _on_first_call
-propagate.no_rule_hints.append(no_rule_hint)
+registry.add_listener(_sync)
+_hooks.set_first_call_hook(_on_first_call)
+propagate.add_no_rule_hint(no_rule_hint)

@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only  # off the hot path: cross-mesh calls only
 
+from shardprop.dispatch import hooks as _hooks_mod
 from shardprop.dispatch import outside as _outside
 from shardprop.dispatch import plain_tensors as _plain
 from shardprop.dispatch import propagate as _prop
@@ -25,13 +26,12 @@ from shardprop.tensor.redistribute import run_plan
 DTensor = _dt.DTensor
 _Tensor = torch.Tensor
 _make_subclass = torch.Tensor._make_wrapper_subclass
-_propagate = _prop.propagate
+_cache = _prop.cache  # resized in place: .fn is the cached propagate, .memo_size the per-op memo bound
 _inference_mode_enabled = torch.is_inference_mode_enabled
 _TRUE = _marker("<True>")
 _FALSE = _marker("<False>")
 _scalar_keys = {}
 _float_kwargs = {}  # kwarg names -> the key of those kwargs when all are floats
-_MEMO_SIZE = 1024  # answers remembered per op (a full memo starts over; 0 with a disabled propagate cache)
 
 # op -> handler(op, args, kwargs) for ops that need more than a rule. Use register_special.
 SPECIAL = {}
@@ -49,17 +49,38 @@ _OPS = {}
 POSITIONWISE = set()
 _NOT_SPLIT = _marker("<not split>")
 
-# Set by shardprop.dispatch.decompose: called once per op, at its first call, when the op has no
-# special handler; returns the handler to install (the op's CompositeImplicitAutograd decomposition,
-# for ops torch would decompose above autograd) or None. Never called again for that op.
-first_call_hook = None
+# The hooks other rooms plug in (recorder, explicit mode, implicit replication, first-call hook): see hooks.py.
+_hooks = _hooks_mod.hooks
 
-# Set by shardprop.debug.explain (a tool; the engine never imports it) while a recorder or an explicit() guard is active.
-recorder = None
-explicit_mode = None
-# Set by shardprop.dispatch.implicit.implicit_replication() (a depth): plain tensors join ops as Replicate.
-# Read only after a plain tensor was found (an exception path), never on the hot path.
-implicit_replication = 0
+
+def special_handler(op):
+    """The special handler registered for ``op``, or None.
+
+    Example:
+        >>> special_handler(aten.mm.default) is None  # doctest: +SKIP
+        True
+    """
+    return SPECIAL.get(op)
+
+
+def unregister_special(op) -> None:
+    """Send ``op`` back to the rule-based path (undoes :func:`register_special`).
+
+    Example:
+        >>> unregister_special(aten._local_scalar_dense.default)  # doctest: +SKIP
+    """
+    SPECIAL.pop(op, None)
+    OUTSIDE_SAFE.discard(op)
+    _OPS.pop(op, None)
+
+
+def register_positionwise(ops) -> None:
+    """Mark list ops whose position i depends only on position i of each list (see :data:`POSITIONWISE`).
+
+    Example:
+        >>> register_positionwise([aten._foreach_add.List])  # doctest: +SKIP
+    """
+    POSITIONWISE.update(ops)
 
 
 def register_special(op, handler, *, outside_safe: bool = False) -> None:
@@ -84,8 +105,8 @@ def _op_record(op) -> list:
     #  memo: (arg keys, kwarg keys) -> OutputSharding]
     # Built once per op (the first call), so deciding on a decomposition here costs nothing later.
     handler = SPECIAL.get(op)
-    if handler is None and first_call_hook is not None:
-        handler = first_call_hook(op)
+    if handler is None and _hooks.first_call_hook is not None:
+        handler = _hooks.first_call_hook(op)
     rec = _OPS[op] = [handler, hash(op), 0, local_callable(op), {}, op in OUTSIDE_SAFE]
     return rec
 
@@ -201,7 +222,7 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
     if rec is None:
         rec = _op_record(op)
     if rec[0] is not None:
-        if _dm.excluded_from_some_mesh and not rec[5]:
+        if _dm.flags.excluded_from_some_mesh and not rec[5]:
             mesh = _outside.excluded_mesh(args, kwargs)
             if mesh is not None:
                 return _special_outside(op, args, kwargs, rec, mesh)
@@ -261,12 +282,13 @@ def run(op, args, kwargs=None, compute=None, rec=None):
     try:
         out = memo.get(key)
         if out is None:
-            out = _propagate(schema := OpSchema(op, key[0], kkey, rec[1]))
+            out = _cache.fn(schema := OpSchema(op, key[0], kkey, rec[1]))
             if _outside.is_outside(out):  # decided once per answer: a hit never asks
                 out = _outside.sharding_for(out)
-            if len(memo) >= _MEMO_SIZE:
+            size = _cache.memo_size  # a full memo starts over; none with the propagate cache off
+            if len(memo) >= size:
                 memo.clear()
-            if _MEMO_SIZE:
+            if size:
                 memo[key] = out
     except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
         out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec[1]))
@@ -285,8 +307,8 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
         if op.is_view and op not in _MAY_COPY:
             return _copied_view(op, args, out, schema, compute or out.local_call, rec, largs, lkwargs)
-    if recorder is not None:
-        recorder.record(schema or OpSchema(op, key[0], kkey, rec[1]), out)
+    if _hooks.recorder is not None:
+        _hooks.recorder.record(schema or OpSchema(op, key[0], kkey, rec[1]), out)
     if compute is None or out.outside:  # outside the mesh, even a special handler's compute gives way
         compute = out.local_call
     res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
@@ -348,8 +370,8 @@ def _copied_view(op, args, out, schema, compute, rec, largs, lkwargs):
     is alive, instead of silently leaving the base unchanged. Once the base is gone (e.g.
     an intermediate gradient that autograd later accumulates into) nothing can tell.
     """
-    if recorder is not None:
-        recorder.record(schema, out)
+    if _hooks.recorder is not None:
+        _hooks.recorder.record(schema, out)
     res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     single = out.returns == "view"
     wrapped = _wrap_view(res, out, args[0], single)
@@ -466,7 +488,7 @@ def _replicate_plain_indices(args, kwargs, written=()):
                 raise _plain_tensor_error(a)
             # Outside the mesh there is no one to compare with, and nothing is computed.
             check = read and mesh._coord is not None
-            verdict = _plain.joins_as_replicate(a, mesh, bool(implicit_replication)) if check else True
+            verdict = _plain.joins_as_replicate(a, mesh, bool(_hooks.implicit_replication)) if check else True
             if verdict is not True:
                 raise _plain_tensor_error(a, verdict is _plain.DIFFERS)
             spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
@@ -483,7 +505,7 @@ def same_on_every_rank(t) -> bool:
         >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
         (True, False)
     """
-    return bool(implicit_replication) or _plain.local_rule(t)
+    return bool(_hooks.implicit_replication) or _plain.local_rule(t)
 
 
 def _first_mesh(a):
@@ -504,8 +526,8 @@ def _first_mesh(a):
 
 def _redistribute_inputs(op, args, kwargs, out, schema):
     """Rebuild the local arguments with each input moved to the layout the strategy needs."""
-    if explicit_mode is not None:
-        explicit_mode(schema, out)
+    if _hooks.explicit_mode is not None:
+        _hooks.explicit_mode(schema, out)
     it = iter(zip(out.in_specs, out.plans))
 
     def local_of(a):
@@ -546,5 +568,3 @@ def _dt_local(v):
         return [_dt_local(x) for x in v]
     return v
 
-
-DTensor.__torch_dispatch__ = classmethod(torch_dispatch)

@@ -8,13 +8,18 @@ the engine does on DTensors, not second definitions of it. Turning them off make
 the DTensor (engine) path instead: for debugging, and for the differential test that checks both
 paths give the same answer.
 
-The switch is read at call time (a module-level bool, one attribute load on the hot path): a
+The switch is read at call time (the setting ``fast_paths``, one attribute load on the hot path): a
 model parallelized with the fast paths on runs the DTensor path while they are off, and the other
 way round. Its start value comes from ``SHARDPROP_FAST_PATHS`` (``0``/``false``/``off`` turn them
-off; anything else, or unset, leaves them on).
+off; unset leaves them on).
+
+A module forward's fast path subclasses :class:`FastPath`, which owns what they all check (the
+switch, torch.compile, the recorder) and the step-aside to the engine path; it gives ``eligible()``
+and ``local_forward()``. Every fast path is listed in :data:`REGISTRY` with its engine twin (what
+runs when it is off or steps aside); the differential test iterates that registry.
 
 Fast paths report what they ran (local ops, and the collectives they issued, also in backward) to
-the same ``dispatcher.recorder`` hook the dispatcher reports op calls to, through
+the same ``hooks.recorder`` the dispatcher reports op calls to, through
 ``recorder.record_fast(op, what, inputs, outputs, collectives)`` when the recorder has it.
 
 Example:
@@ -26,13 +31,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
+from typing import Dict, NamedTuple, Tuple
 
-from shardprop.dispatch import dispatcher as _dispatch
+import torch
+
+from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.mesh import collectives as _C
+from shardprop.mesh import config as _config
 
-_OFF = ("0", "false", "off", "no")
-enabled: bool = os.environ.get("SHARDPROP_FAST_PATHS", "1").strip().lower() not in _OFF
+# The switch is the setting ``fast_paths`` (config.values.fast_paths: one attribute load per check).
+settings = _config.values
 
 
 def set_fast_paths(on: bool) -> bool:
@@ -42,9 +50,7 @@ def set_fast_paths(on: bool) -> bool:
         >>> old = set_fast_paths(False); set_fast_paths(old)
         False
     """
-    global enabled
-    old, enabled = enabled, bool(on)
-    return old
+    return _config.set("fast_paths", on)
 
 
 def fast_paths_enabled() -> bool:
@@ -54,7 +60,7 @@ def fast_paths_enabled() -> bool:
         >>> fast_paths_enabled() in (True, False)
         True
     """
-    return enabled
+    return settings.fast_paths
 
 
 @contextlib.contextmanager
@@ -87,7 +93,7 @@ class _Tap(_C.CommCounter):
 
 def recording() -> bool:
     """Whether a recorder (``explain()``) listens; fast paths then go through :func:`run_recorded`."""
-    return _dispatch.recorder is not None
+    return _hooks.recorder is not None
 
 
 def run_recorded(op: str, what: str, inputs: tuple, mesh_dims: tuple, fn, *args):
@@ -100,7 +106,7 @@ def run_recorded(op: str, what: str, inputs: tuple, mesh_dims: tuple, fn, *args)
     Example:
         >>> run_recorded("linear", "ColwiseParallel on 'up'", ((Replicate(),),), (0,), fwd, x)  # doctest: +SKIP
     """
-    rec = _dispatch.recorder
+    rec = _hooks.recorder
     if rec is None or not hasattr(rec, "record_fast"):
         return fn(*args)
     tap = _Tap()
@@ -111,4 +117,90 @@ def run_recorded(op: str, what: str, inputs: tuple, mesh_dims: tuple, fn, *args)
     return out
 
 
-__all__ = ["fast_paths", "fast_paths_enabled", "set_fast_paths", "run_recorded", "recording"]
+_is_compiling = torch.compiler.is_compiling
+
+
+class FastPath:
+    """A module forward on local tensors with explicit collectives, standing in for the DTensor forward.
+
+    ``forward(module, x)`` is what the style installs (through ``functools.partial``, so a deep copy
+    of the model rebinds it). It runs ``engine(module, x)``, the DTensor (engine) path, when the fast
+    paths are off, while torch.compile traces, for a non-tensor input, or when ``eligible`` says
+    no; else ``local_forward(module, x, *plan)``, reported to ``explain()`` when it listens.
+
+    A subclass gives:
+
+    - ``eligible(module, x)``: a tuple (the plan ``local_forward`` takes), or None to step aside;
+    - ``local_forward(module, x, *plan)``: the forward on local tensors;
+    - ``describe(module, x, plan)``: (local op name, what ran, input placements, mesh dims) for ``explain()``;
+    - ``_CACHES``: attributes holding caches, emptied when pickled (specs are per process).
+
+    A fast path is immutable after construction: a deep copy is the object itself (the mesh is shared,
+    as DTensors share it).
+
+    Example:
+        >>> module.forward = functools.partial(MyFastPath(engine=hooked).forward, module)  # doctest: +SKIP
+    """
+
+    _CACHES: tuple = ()
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __getstate__(self):
+        return {**vars(self), **{name: {} for name in self._CACHES}}
+
+    def forward(self, module, input):  # noqa: A002 (the wrapped forwards' argument name: module(input=x) works)
+        """The fast forward, or the engine's where the fast path does not apply (see the class docstring)."""
+        x = input
+        if not settings.fast_paths or _is_compiling() or not isinstance(x, torch.Tensor):
+            return self.engine(module, x)
+        plan = self.eligible(module, x)
+        if plan is None:
+            return self.engine(module, x)
+        if _hooks.recorder is not None:
+            op, what, inputs, mesh_dims = self.describe(module, x, plan)
+            return run_recorded(op, what, inputs, mesh_dims, self.local_forward, module, x, *plan)
+        return self.local_forward(module, x, *plan)
+
+    def eligible(self, module, x):
+        raise NotImplementedError
+
+    def local_forward(self, module, x, *plan):
+        raise NotImplementedError
+
+    def describe(self, module, x, plan) -> tuple:
+        raise NotImplementedError
+
+
+class Entry(NamedTuple):
+    """A fast path and its engine twin: what runs instead when the fast path is off or steps aside."""
+
+    name: str
+    fast: str     # where the fast path lives (module.qualname)
+    engine: str   # its engine twin
+    styles: Tuple[str, ...]  # the parallel styles (or calls) that install or take it
+
+
+# Every eager fast path, with its engine twin. tests/test_fast_path_differential.py draws cases that
+# cover each entry (and fails on an entry it does not cover).
+REGISTRY: Dict[str, Entry] = {}
+
+
+def register(name: str, fast: str, engine: str, styles: Tuple[str, ...]) -> None:
+    """List a fast path and its engine twin in :data:`REGISTRY`.
+
+    Example:
+        >>> register("linear", "shardprop.parallel.fast.fused_linear.FusedLinear",
+        ...          "the styles' DTensor hooks around nn.Linear.forward", ("ColwiseParallel",))  # doctest: +SKIP
+    """
+    if name in REGISTRY:
+        raise ValueError(f"fast path {name!r} is registered already ({REGISTRY[name].fast})")
+    REGISTRY[name] = Entry(name, fast, engine, tuple(styles))
+
+
+__all__ = ["FastPath", "REGISTRY", "fast_paths", "fast_paths_enabled", "register", "set_fast_paths", "run_recorded",
+           "recording"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch import hooks as _hooks
 
 
 @contextmanager
@@ -25,11 +25,11 @@ def implicit_replication() -> Iterator[None]:
         >>> with implicit_replication():  # doctest: +SKIP
         ...     y = x + torch.arange(4.0)  # the plain tensor joins as Replicate
     """
-    _dispatch.implicit_replication += 1
+    _hooks.set_implicit_replication(_hooks.hooks.implicit_replication + 1)
     try:
         yield
     finally:
-        _dispatch.implicit_replication -= 1
+        _hooks.set_implicit_replication(_hooks.hooks.implicit_replication - 1)
 
 
 def implicit_replication_active() -> bool:
@@ -39,7 +39,7 @@ def implicit_replication_active() -> bool:
         >>> implicit_replication_active()
         False
     """
-    return _dispatch.implicit_replication > 0
+    return _hooks.hooks.implicit_replication > 0
 
 
 __all__ = ["implicit_replication", "implicit_replication_active"]

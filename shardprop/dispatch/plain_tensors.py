@@ -30,6 +30,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -109,10 +110,16 @@ def _all_equal(gathered: torch.Tensor) -> bool:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_SHARDPROP_DIRS = None
 # torch's operator plumbing between a user's call and the op: not "torch's own code" making tensors.
 _PLUMBING = tuple(os.path.join(_TORCH_DIR, p) for p in ("_tensor.py", "_ops.py", "overrides.py",
                                                         os.path.join("utils", "_python_dispatch.py")))
+
+
+@functools.lru_cache(maxsize=None)
+def _shardprop_dirs() -> tuple:
+    # shardprop's three folders (shardprop/, ops/, mesh/), read at the first call (all imported by then).
+    return tuple(os.path.dirname(sys.modules[m].__file__) + os.sep
+                 for m in ("shardprop", "shardprop.ops", "shardprop.mesh") if m in sys.modules)
 
 
 def made_by_torch() -> bool:
@@ -124,14 +131,11 @@ def made_by_torch() -> bool:
         >>> made_by_torch()  # called from a user's script  # doctest: +SKIP
         False
     """
-    global _SHARDPROP_DIRS
-    if _SHARDPROP_DIRS is None:  # shardprop's three folders (shardprop/, ops/, mesh/), once imported
-        _SHARDPROP_DIRS = tuple(os.path.dirname(sys.modules[m].__file__) + os.sep
-                                for m in ("shardprop", "shardprop.ops", "shardprop.mesh") if m in sys.modules)
+    dirs = _shardprop_dirs()
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if name.startswith(_SHARDPROP_DIRS) or name in _PLUMBING:
+        if name.startswith(dirs) or name in _PLUMBING:
             f = f.f_back
             continue
         return name.startswith(_TORCH_DIR)

@@ -8,7 +8,6 @@ the same. Output tensor meta comes from running the op once on meta tensors.
 from __future__ import annotations
 
 import functools
-import os
 import time
 import warnings
 from collections import defaultdict
@@ -17,6 +16,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from shardprop.dispatch import out_targets, registry
+from shardprop.mesh import config as _config
+from shardprop.mesh.config import values as _settings
 from shardprop.dispatch.op_schema import (
     COMPLEX,
     FLOAT,
@@ -34,7 +35,6 @@ from shardprop.tensor.redistribute import (
 )
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
-_fallback_to_replicate = os.environ.get("SHARDPROP_FALLBACK_REPLICATE", "0") == "1"
 
 # Cache-miss counters (the engine's own; shardprop.debug.stats reads them): op -> misses, seconds
 # spent propagating, and misses that succeeded (entries put in the cache).
@@ -398,7 +398,7 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool 
                                 "redistribute them onto one mesh first")
     rule = registry.lookup(op)
     if rule is None:
-        if not _fallback_to_replicate:
+        if not _settings.fallback_to_replicate:
             raise ShardingError(
                 f"{op} has no sharding rule (inputs: {_describe(schema)}). Register one with "
                 f"@shardprop.register_sharding({op}), or set SHARDPROP_FALLBACK_REPLICATE=1 "
@@ -487,8 +487,42 @@ def _check_out(schema: OpSchema, out_specs, where):
     return tuple(names), tuple(given)
 
 
-_cache_size = int(os.environ.get("SHARDPROP_CACHE_SIZE", "65536"))
-propagate = functools.lru_cache(maxsize=_cache_size)(_propagate)
+class _Cache:
+    """The propagation cache: ``fn`` is ``_propagate`` behind an LRU cache of ``cache_size`` entries.
+
+    ``memo_size``: answers the dispatcher remembers per op (none when the cache is off). Resized in
+    place (the setting's watcher), so the dispatcher's reference to this object stays valid.
+    """
+
+    __slots__ = ("fn", "memo_size")
+
+    def resize(self, n) -> None:
+        self.fn = functools.lru_cache(maxsize=n)(_propagate)
+        self.memo_size = 1024 if n is None or n > 0 else 0
+
+
+cache = _Cache()
+cache.resize(_settings.cache_size)
+_config.watch("cache_size", cache.resize)
+
+
+def propagate(schema: OpSchema) -> OutputSharding:
+    """The sharding of ``schema``'s op on its input specs, cached (see :data:`cache`).
+
+    Example:
+        >>> propagate(OpSchema(aten.mm.default, (a_spec, b_spec), ()))  # doctest: +SKIP
+    """
+    return cache.fn(schema)
+
+
+def cache_info():
+    """The propagation cache's statistics (``functools`` ``CacheInfo``: hits, misses, maxsize, currsize)."""
+    return cache.fn.cache_info()
+
+
+def cache_clear() -> None:
+    """Empty the propagation cache."""
+    cache.fn.cache_clear()
 
 
 def reset_miss_counts() -> None:
@@ -498,7 +532,15 @@ def reset_miss_counts() -> None:
     inserted.clear()
 
 
+def add_no_rule_hint(hint: Callable[[object], str]) -> None:
+    """Add ``hint(op) -> str`` to the error for ops without a rule (decompose: its opt-in).
+
+    Example:
+        >>> add_no_rule_hint(lambda op: "")  # doctest: +SKIP
+    """
+    no_rule_hints.append(hint)
+
+
 def set_fallback(enabled: bool) -> None:
     """Whether ops without a rule run replicated (see cache_control.set_fallback_to_replicate)."""
-    global _fallback_to_replicate
-    _fallback_to_replicate = bool(enabled)
+    _config.set("fallback_to_replicate", enabled)

@@ -46,7 +46,7 @@ import torch
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
-from shardprop.tensor.placement import Partial, Replicate, partial_fill
+from shardprop.tensor.placement import Partial, Replicate, partial_fill, without_partial
 from shardprop.tensor.redistribute import redistribute_local
 
 aten = torch.ops.aten
@@ -104,8 +104,7 @@ def manual_seed(seed: int, mesh) -> None:
 
 
 # ---------------------------------------------------------------- helpers
-def _no_partial(placements) -> tuple:
-    return tuple(Replicate() if type(p) is Partial else p for p in placements)
+_no_partial = without_partial
 
 
 def _empty_global(spec, device) -> torch.Tensor:

@@ -170,6 +170,15 @@ def unregister_sharding(op) -> None:
     _changed()
 
 
+def add_listener(fn) -> None:
+    """Call ``fn()`` whenever rules are registered or removed (the propagation cache clears itself).
+
+    Example:
+        >>> add_listener(lambda: None)  # doctest: +SKIP
+    """
+    _listeners.append(fn)
+
+
 def _changed() -> None:
     for fn in _listeners:
         fn()

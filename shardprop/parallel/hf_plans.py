@@ -34,8 +34,8 @@ from torch import nn
 
 from shardprop.mesh import collectives
 from shardprop.parallel.ep.hf_experts import HFExperts
-from shardprop.parallel.parallelize import match_submodules, parallelize_module
-from shardprop.parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
+from shardprop.parallel.tp.parallelize import match_submodules, parallelize_module
+from shardprop.parallel.tp.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
 from shardprop.tensor.placement import Replicate
 
 class GradSumOverTP(ParallelStyle):

@@ -19,7 +19,7 @@ from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
-from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
+from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements, without_partial
 from shardprop.tensor.redistribute import plan_redistribute, redistribute_local, run_plan
 
 _is_compiling = torch.compiler.is_compiling
@@ -27,7 +27,7 @@ _is_compiling = torch.compiler.is_compiling
 
 def grad_placements_for(placements):
     """Placements a gradient takes when flowing back to a tensor laid out as ``placements``."""
-    return tuple(Replicate() if type(p) is Partial else p for p in placements)
+    return without_partial(placements)
 
 
 def _check_partial_grad(placements, where: str) -> None:
@@ -417,9 +417,18 @@ def to_local(self, *, grad_placements=None) -> torch.Tensor:
     return self._local_tensor
 
 
-# Set by shardprop.checkpoint (a room above this one): ``f(dt, mesh, placements, async_op)`` moves a
-# DTensor to a different mesh. None: redistribution stays within one mesh.
-other_mesh_redistribute = None
+# Given by shardprop.checkpoint (a room above this one) through set_other_mesh_redistribute:
+# ``f(dt, mesh, placements, async_op)`` moves a DTensor to a different mesh. Empty: within one mesh only.
+_other_mesh: list = []
+
+
+def set_other_mesh_redistribute(fn) -> None:
+    """Use ``fn(dt, mesh, placements, async_op)`` for redistributions to another mesh (None: refuse them).
+
+    Example:
+        >>> set_other_mesh_redistribute(cross_mesh.redistribute_to_mesh)  # doctest: +SKIP
+    """
+    _other_mesh[:] = [] if fn is None else [fn]
 
 
 def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False,
@@ -440,13 +449,13 @@ def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = Fa
     if forward_dtype is not None or backward_dtype is not None:
         return _redistribute_cast(self, device_mesh, placements, async_op, forward_dtype, backward_dtype)
     if device_mesh is not None and not _is_compiling() and device_mesh != self._spec.mesh:
-        if other_mesh_redistribute is None:
+        if not _other_mesh:
             raise ValueError(f"redistribute: cannot move a DTensor from {self._spec.mesh} to a different mesh "
                              f"{device_mesh}; redistribution happens within one mesh (import shardprop for "
                              "cross-mesh moves)")
         if placements is None:
             raise ValueError("redistribute: give the target placements")
-        return other_mesh_redistribute(self, device_mesh, placements, async_op)
+        return _other_mesh[0](self, device_mesh, placements, async_op)
     if placements is not None and type(placements) is not str:
         placements = tuple(placements)
     # A temporary nobody else references (``(a @ b).redistribute(...)``: only this frame's
@@ -489,12 +498,9 @@ def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
     return full.to_local(grad_placements=grad_placements)
 
 
-# Attached here, not defined in dtensor.py: the methods need the autograd functions above, which
-# need the DTensor class; defining them beside the functions keeps imports one way (this -> dtensor).
-_dt.DTensor.from_local = staticmethod(from_local)
-_dt.DTensor.to_local = to_local
-_dt.DTensor.redistribute = redistribute
-_dt.DTensor.full_tensor = full_tensor
+# DTensor's from_local/to_local/redistribute/full_tensor are the functions above, given to the class in
+# shardprop/assembly.py: they need the autograd functions here, which need the DTensor class, so
+# defining them here keeps imports one way (this -> dtensor).
 
 
 # torch.compile: dynamo cannot trace a wrapper subclass's construction, so it must put these

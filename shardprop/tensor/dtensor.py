@@ -12,7 +12,7 @@ import torch
 
 from shardprop.tensor.compile_support import check_compile
 from shardprop.tensor.layout import local_shape_and_offset
-from shardprop.tensor.placement import Partial, Replicate
+from shardprop.tensor.placement import without_partial
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 
@@ -100,7 +100,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # Replaced by shardprop.dispatch.torch_dispatch when shardprop is imported.
+        # Replaced by shardprop.dispatch.dispatcher.torch_dispatch in shardprop/assembly.py.
         raise RuntimeError("shardprop.dispatch is not imported: import shardprop")
 
     # ---- torch.compile: the traceable-subclass protocol ----------------------------------
@@ -130,8 +130,7 @@ class DTensor(torch.Tensor):
         # so the tangent's layout does not depend on how this rank's backward produced it.
         if not self._spec.has_partial:
             return self
-        return self.redistribute(placements=tuple(Replicate() if type(p) is Partial else p
-                                                  for p in self._spec.placements))
+        return self.redistribute(placements=without_partial(self._spec.placements))
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
         if expected_type is not None:

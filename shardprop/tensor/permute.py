@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool
+from shardprop.mesh.transport import buffer_pool
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor.boxes import Box, narrow, numel, plan_transfers, relative, shard_box

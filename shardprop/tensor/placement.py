@@ -135,3 +135,14 @@ def normalize_placements(placements, ndim: int, mesh_ndim: int, where: str = "pl
                 p = Shard(p.dim + ndim)
         out.append(p)
     return tuple(out)
+
+
+def without_partial(placements) -> tuple:
+    """``placements`` with every ``Partial`` as ``Replicate``: what a reduced value, or a gradient flowing back
+    to a tensor laid out as ``placements``, takes.
+
+    Example:
+        >>> without_partial((Partial(), Shard(0)))
+        (Replicate(), Shard(dim=0))
+    """
+    return tuple(Replicate() if type(p) is Partial else p for p in placements)

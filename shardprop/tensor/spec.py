@@ -5,13 +5,15 @@ equality short-cuts on identity.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Tuple
 
 import torch
 
-from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.layout import local_shape_and_offset
+from shardprop.tensor.placement import Partial, Placement, Replicate, Shard, without_partial
 
 
 class TensorMeta(NamedTuple):
@@ -101,6 +103,47 @@ class DTensorSpec(metaclass=_Interned):
     @property
     def has_partial(self) -> bool:
         return any(type(p) is Partial for p in self.placements)
+
+    def without_partial(self) -> "DTensorSpec":
+        """The same tensor with each ``Partial`` as ``Replicate`` (itself when it has none).
+
+        Example:
+            >>> spec.without_partial().placements  # doctest: +SKIP
+            (Replicate(), Shard(dim=0))
+        """
+        return self.with_placements(without_partial(self.placements)) if self.has_partial else self
+
+    def local_box(self, placements=None) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """This rank's (local shape, offset in the global tensor), laid out as ``placements`` (default: the spec's).
+
+        Example:
+            >>> spec.local_box()  # Shard(0) of an (8, 4) tensor on rank 1 of 4  # doctest: +SKIP
+            ((2, 4), (2, 0))
+        """
+        mesh = self.mesh
+        return local_shape_and_offset(self.tensor_meta.shape, mesh.shape, mesh._coord,
+                                      self.placements if placements is None else placements)
+
+    def contiguous(self) -> "DTensorSpec":
+        """The same tensor with contiguous strides (itself when they are; cached: specs are interned).
+
+        Example:
+            >>> spec.t().contiguous() is spec.t()  # doctest: +SKIP
+            False
+        """
+        return _contiguous(self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous(spec: DTensorSpec) -> DTensorSpec:
+    stride, acc = [], 1
+    for n in reversed(spec.tensor_meta.shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    stride = tuple(reversed(stride))
+    if stride == spec.tensor_meta.stride:
+        return spec
+    return DTensorSpec(spec.mesh, spec.placements, TensorMeta(spec.tensor_meta.shape, stride, spec.tensor_meta.dtype))
 
 
 # Weak values: a spec lives as long as a DTensor or a cache entry holds it.

@@ -23,11 +23,11 @@ from typing import Callable, NamedTuple, Tuple
 
 import torch
 
-from shardprop.mesh import buffer_pool
+from shardprop.mesh.transport import buffer_pool
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import permute
-from shardprop.tensor.layout import chunk_bounds, local_shape_and_offset
+from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Replicate, partial_fill
 
 # Steps after which the local tensor is a new buffer of ours (a collective's output).
@@ -55,7 +55,7 @@ def prepare(src, plan, in_shape) -> Program:
     """
     in_shape = tuple(in_shape)
     if 0 in src.tensor_meta.shape:  # nothing to move: the right empty shard (no numel(): symbolic sizes)
-        shape, _ = local_shape_and_offset(src.shape, src.mesh.shape, src.mesh._coord, _final(src, plan))
+        shape, _ = src.local_box(_final(src, plan))
 
         def empty(local, owned, async_op):
             return local.new_empty(shape)
@@ -115,7 +115,7 @@ def _final(src, plan):
 def _parent_len(spec, cur, m: int, dim: int) -> int:
     """Extent of ``dim`` that mesh dim ``m`` splits, on this rank (earlier mesh dims applied)."""
     before = [p if k < m else Replicate() for k, p in enumerate(cur)]
-    return local_shape_and_offset(spec.shape, spec.mesh.shape, spec.mesh._coord, before)[0][dim]
+    return spec.local_box(before)[0][dim]
 
 
 def _with(shape, dim: int, size) -> list:
@@ -378,7 +378,7 @@ def _prep_p2p(step, cur, spec, shape):
 
     def p2p(local, owned, async_op):
         return permute.run_p2p(local, spec, src, dst, owned, async_op)
-    return p2p, tuple(local_shape_and_offset(spec.shape, spec.mesh.shape, spec.mesh._coord, dst)[0])
+    return p2p, tuple(spec.local_box(dst)[0])
 
 
 _PREP = {

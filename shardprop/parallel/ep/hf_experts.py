@@ -39,7 +39,7 @@ from torch import nn
 
 from shardprop.dispatch import fast_paths
 from shardprop.parallel.ep import routing, tensor_parallel
-from shardprop.parallel.styles import ParallelStyle, distribute_params
+from shardprop.parallel.tp.styles import ParallelStyle, distribute_params
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
 

@@ -18,10 +18,10 @@ from typing import List
 
 from torch import nn
 
-from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.dispatch import fast_paths
 from shardprop.parallel.ep import routing, tensor_parallel
-from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params
+from shardprop.parallel.tp.styles import ParallelStyle, check_divisible, distribute_params
 from shardprop.tensor.compile_support import outside_graphs
 from shardprop.tensor.placement import Replicate, Shard
 
@@ -110,7 +110,7 @@ def _combine_hook(lay, module, args, kwargs, output):
 
 def _note_load(lay, route: routing.Route) -> None:
     """A line for explain(): tokens per local expert, from each ep rank, and what this rank computes and sends."""
-    rec = _dispatch.recorder
+    rec = _hooks.recorder
     if rec is None or not hasattr(rec, "note"):
         return
     rec.note(f"{_style(lay)} on {lay.name!r}: local experts got tokens {route.tokens_per_local_expert} "

@@ -5,10 +5,10 @@ parameter becomes a ``Shard`` DTensor over the dp mesh dim (an ``nn.Parameter``
 still), so parameters, gradients and optimizer state take 1/dp of the memory.
 Around each unit's forward the module computes on plain full tensors gathered by
 one all-gather (prefetched one unit ahead, forward and backward; asynchronous except on
-gloo, see :data:`shardprop.parallel.fsdp_unit.ASYNC_GATHER`); its gradients
+gloo, see :data:`shardprop.parallel.fsdp.unit.ASYNC_GATHER`); its gradients
 leave in one reduce-scatter that overlaps the rest of backward (at most one in
 flight: the next unit's launch completes the previous one, as torch's does). See
-:mod:`shardprop.parallel.fsdp_unit` (run time) and :mod:`shardprop.parallel.flat_buffers`
+:mod:`shardprop.parallel.fsdp.unit` (run time) and :mod:`shardprop.parallel.fsdp.flat_buffers`
 (memory layout).
 
 On a ``("dp", "tp")`` mesh, after ``parallelize_module(model, mesh["tp"], plan)``,
@@ -21,8 +21,8 @@ whole over dp (``[R, S(0)]``). No strided-shard placement is ever needed.
 A 2-D ``mesh`` (replicate, shard) without ``dim`` is HSDP, as in torch: parameters
 ``[Replicate(), Shard(0)]``, gathered over the shard dim, gradients reduce-scattered
 over it and then all-reduced across replicas. The module hooks live in
-:mod:`shardprop.parallel.fsdp_hooks`, the run-time controls in
-:mod:`shardprop.parallel.fsdp_module`.
+:mod:`shardprop.parallel.fsdp.hooks`, the run-time controls in
+:mod:`shardprop.parallel.fsdp.module`.
 """
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ from typing import Callable, Dict, Optional, Set, Union
 import torch
 import torch.nn as nn
 
-from shardprop.parallel.flat_buffers import REPLICATED, ParamSlot, UnitBuffers
-from shardprop.parallel.fsdp_api import CPUOffloadPolicy, OffloadPolicy
-from shardprop.parallel.fsdp_hooks import post_forward, pre_forward
-from shardprop.parallel.fsdp_module import FSDPModule
-from shardprop.parallel.fsdp_unit import FSDPUnit
-from shardprop.parallel.mixed_precision import MixedPrecisionPolicy
+from shardprop.parallel.fsdp.flat_buffers import REPLICATED, ParamSlot, UnitBuffers
+from shardprop.parallel.fsdp.api import CPUOffloadPolicy, OffloadPolicy
+from shardprop.parallel.fsdp.hooks import post_forward, pre_forward
+from shardprop.parallel.fsdp.module import FSDPModule
+from shardprop.parallel.fsdp.unit import FSDPUnit
+from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Replicate, Shard

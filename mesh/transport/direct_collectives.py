@@ -27,13 +27,14 @@ Example:
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardprop.mesh import buffer_pool, shm_transport
+from shardprop.mesh.transport import buffer_pool, shm_transport
+from shardprop.mesh import config
+from shardprop.mesh.config import values as _settings
 
 MAX_GROUP = 16
 # One tag for every message of these collectives: messages between two ranks with one tag are
@@ -45,7 +46,6 @@ SMALL_ALL_REDUCE_BYTES = 768 << 10
 SHM_ALL_REDUCE_BYTES = 1 << 20
 _REDUCE = {"sum": torch.sum, "avg": torch.sum, "max": torch.amax, "min": torch.amin, "product": torch.prod}
 
-_enabled = os.environ.get("SHARDPROP_DIRECT_COLLECTIVES", "1") != "0"
 
 
 def set_enabled(on: bool) -> bool:
@@ -55,9 +55,7 @@ def set_enabled(on: bool) -> bool:
         >>> old = set_enabled(False); set_enabled(old)
         False
     """
-    global _enabled
-    old, _enabled = _enabled, bool(on)
-    return old
+    return config.set("direct_collectives", on)
 
 
 def usable(t: torch.Tensor, n: int) -> bool:
@@ -67,7 +65,7 @@ def usable(t: torch.Tensor, n: int) -> bool:
         >>> usable(torch.ones(4), 1)
         False
     """
-    return _enabled and 1 < n <= MAX_GROUP and buffer_pool.plain(t)
+    return _settings.direct_collectives and 1 < n <= MAX_GROUP and buffer_pool.plain(t)
 
 
 class Works:
@@ -348,7 +346,7 @@ def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], group, keep: Sequen
     for view, _, _ in (*sends, *recvs):
         if not view.is_cpu:  # gloo's send/recv would hand the pointer to a socket and die (EFAULT)
             raise TypeError(f"shardprop: direct point-to-point messages carry host memory only, got a {view.device} "
-                            "tensor; collectives.py stages device tensors through host memory (mesh/staging.py)")
+                            "tensor; collectives.py stages device tensors through host memory (mesh/transport/staging.py)")
     shm = shm_transport.active()
     carried = _through_shm(shm, sends, recvs, group) if shm is not None else None
     shm_handles = []

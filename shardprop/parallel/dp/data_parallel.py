@@ -40,7 +40,6 @@ from shardprop.mesh.async_tensor import wait_all
 from shardprop.parallel.param_swap import keep_hooks_on_swap
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Partial, Replicate
 
 MiB = 1024 * 1024
 DEFAULT_SIZE_LIMITS = (1 * MiB, 25 * MiB)
@@ -230,7 +229,7 @@ class GradientReducer:
             g = avg.view(local.shape).clone()
             if isinstance(p, DTensor):
                 spec = p._spec
-                spec = spec.with_placements(tuple(Replicate() if type(q) is Partial else q for q in spec.placements))
+                spec = spec.without_partial()
                 g = DTensor(g, spec)
             p.grad = g
         # presence == 0: no rank used p this step; its grad stays None (the optimizer skips it)

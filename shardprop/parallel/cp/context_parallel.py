@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from shardprop.dispatch.hooks import hooks as _hooks
 from shardprop.mesh import collectives, compat
-from shardprop.dispatch import dispatcher as _dispatch
-from shardprop.parallel.ring_attention import attention_method, estimate_costs, ring_attention
+from shardprop.parallel.cp.ring_attention import attention_method, estimate_costs, ring_attention
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Shard
 
@@ -168,8 +168,8 @@ class _ContextParallelMode(TorchFunctionMode):
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
             v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
         method = attention_method(q, k, self.mesh.size(), is_causal)
-        if _dispatch.recorder is not None and hasattr(_dispatch.recorder, "note"):  # inside explain()
-            _dispatch.recorder.note(self._describe(q, k, is_causal, method))
+        if _hooks.recorder is not None and hasattr(_hooks.recorder, "note"):  # inside explain()
+            _hooks.recorder.note(self._describe(q, k, is_causal, method))
         res = ring_attention(q, k, v, self.mesh, is_causal=is_causal, scale=scale, balanced=self.balanced,
                              method=method, return_lse=return_lse)
         if wrap:

@@ -36,9 +36,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from shardprop.parallel.fused_linear import install
-from shardprop.parallel.fused_norm import install_norm
-from shardprop.parallel.grad_sync import grad_like
+from shardprop.parallel.fast.fused_linear import install
+from shardprop.parallel.fast.fused_norm import install_norm
+from shardprop.parallel.fast.grad_sync import grad_like
 from shardprop.parallel.param_swap import keep_hooks_on_swap
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements

@@ -13,14 +13,14 @@ Example:
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from shardprop.mesh.compat import in_backward
-from shardprop.parallel.fsdp_unit import FSDPUnit
+from shardprop.parallel.fsdp.unit import FSDPUnit
 from shardprop.tensor.compile_support import outside_graphs
 from shardprop.tensor.dtensor import DTensor
 
@@ -87,7 +87,15 @@ def _neighbour(order, unit, step) -> List[FSDPUnit]:
     return [order[i]] if 0 <= i < len(order) else []
 
 
-_active_root: Optional[RootState] = None
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("active_root",)
+
+
+_state = _State()
+_state.active_root = None
 
 
 def root_state_of(unit: FSDPUnit) -> RootState:
@@ -127,22 +135,21 @@ def pre_forward(module, args, kwargs):
     Example:
         >>> module.register_forward_pre_hook(pre_forward, with_kwargs=True)  # doctest: +SKIP
     """
-    global _active_root
     unit: FSDPUnit = module._fsdp_unit
     if in_backward():  # an activation-checkpoint recomputation: compute with the full parameters again
         unit.wait_unsharded()
         unit.swap_in()
         return _cast_inputs(unit, args, kwargs)
-    if _active_root is None:  # the outermost unit of this forward is the root
+    if _state.active_root is None:  # the outermost unit of this forward is the root
         state = root_state_of(unit)
         for u in state.units:
             u.is_root = u is unit
             u._owner_state = state
-        _active_root = state
+        _state.active_root = state
         state._recording = []
         state._post_recording = []
         state.in_forward = True
-    state = _active_root
+    state = _state.active_root
     state._recording.append(unit)
     unit.wait_unsharded()
     for nxt in state.next_in_forward(unit):
@@ -161,11 +168,10 @@ def post_forward(module, args, kwargs, output):
     Example:
         >>> module.register_forward_hook(post_forward, with_kwargs=True)  # doctest: +SKIP
     """
-    global _active_root
     unit: FSDPUnit = module._fsdp_unit
     if in_backward():  # a recomputation: backward keeps the parameters until the unit's gradients are in
         return _cast_output(unit, output)
-    state = _active_root
+    state = _state.active_root
     unit.swap_out()
     grad = torch.is_grad_enabled()
     is_root = state is not None and state.root is unit
@@ -181,7 +187,7 @@ def post_forward(module, args, kwargs, output):
     if is_root:
         state.order, state.post_order = state._recording, state._post_recording
         state.in_forward = False
-        _active_root = None
+        _state.active_root = None
     if grad:
         _register_pre_backward(unit, state, output)
     return _cast_output(unit, output)
@@ -235,12 +241,11 @@ def reset_iteration(unit: FSDPUnit) -> None:
     Example:
         >>> reset_iteration(model._fsdp_unit)  # doctest: +SKIP
     """
-    global _active_root
     state = unit._root_state
     if state is None or state.root is not unit:
         raise RuntimeError(f"reset_iter_state: call it on the root FSDP module (the one whose forward ran first), "
                            f"not on {type(unit.module).__name__}")
-    _active_root = None
+    _state.active_root = None
     state.in_forward = state.callback_queued = False
     state._recording, state._post_recording = [], []
     for u in state.units:

@@ -26,8 +26,7 @@ import torch
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
-from shardprop.tensor.layout import local_shape_and_offset
-from shardprop.tensor.placement import Partial, Replicate, Shard
+from shardprop.tensor.placement import Partial, Replicate, Shard, without_partial
 from shardprop.tensor.redistribute import redistribute_local
 
 aten = torch.ops.aten
@@ -41,7 +40,7 @@ def _without_partial(x: DTensor):
     spec = x._spec
     if not spec.has_partial:
         return x._local_tensor, spec
-    target = tuple(R if type(p) is Partial else p for p in spec.placements)
+    target = without_partial(spec.placements)
     return redistribute_local(x._local_tensor, spec, target), spec.with_placements(target)
 
 
@@ -68,8 +67,7 @@ def _meta(spec_or_tensor):
 
 def _class_range(spec, dim: int):
     """(offset, size) of this rank's slice of dim ``dim``."""
-    mesh = spec.mesh
-    shape, offset = local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)
+    shape, offset = spec.local_box()
     return offset[dim], shape[dim]
 
 
@@ -196,11 +194,11 @@ def _nll_backward(op, args, kwargs):
         return _fallback(op, args, kwargs)
     spec = x._spec
     if spec.has_partial:
-        spec = spec.with_placements(tuple(R if type(p) is Partial else p for p in spec.placements))
+        spec = spec.without_partial()
     mesh = spec.mesh
     t_pl = _target_placements(spec)
     t_local = _local_as(target, t_pl, spec)
-    x_shape, _ = local_shape_and_offset(spec.shape, mesh.shape, mesh._coord, spec.placements)
+    x_shape, _ = spec.local_box()
     inside, col, w, rows = _picks(torch.empty((), dtype=spec.dtype), spec, t_local, weight, ignore_index)
     how = _REDUCTIONS[reduction]
     g = _local_as(grad, t_pl if how == "none" else (R,) * mesh.ndim, spec)
@@ -227,7 +225,16 @@ HANDLERS = {
 }
 
 _saved = {}  # op -> the special handler that was there before the context (None: the rule path)
-_depth = 0
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("depth",)
+
+
+_state = _State()
+_state.depth = 0
 
 
 @contextlib.contextmanager
@@ -248,22 +255,22 @@ def loss_parallel():
         ...     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         ...     loss.backward()
     """
-    global _depth
-    if _depth == 0:
+    if _state.depth == 0:
         for op, handler in HANDLERS.items():
-            _saved[op] = _dispatch.SPECIAL.get(op)
+            _saved[op] = _dispatch.special_handler(op)
             _dispatch.register_special(op, handler)
-    _depth += 1
+    _state.depth += 1
     try:
         yield
     finally:
-        _depth -= 1
-        if _depth == 0:
+        _state.depth -= 1
+        if _state.depth == 0:
             for op in HANDLERS:
                 prev = _saved.pop(op, None)
-                _dispatch.register_special(op, prev)  # also drops the dispatcher's cached record
                 if prev is None:
-                    _dispatch.SPECIAL.pop(op, None)
+                    _dispatch.unregister_special(op)  # also drops the dispatcher's cached record
+                else:
+                    _dispatch.register_special(op, prev)
 
 
 __all__ = ["loss_parallel"]

@@ -15,7 +15,7 @@ import torch
 
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
-from shardprop.parallel.flat_buffers import ParamSlot, UnitBuffers
+from shardprop.parallel.fsdp.flat_buffers import ParamSlot, UnitBuffers
 from shardprop.tensor.dtensor import DTensor
 
 
@@ -63,7 +63,16 @@ def async_reduce(mesh) -> bool:
 
 
 # The unit whose reduce-scatter was launched last and is not completed yet.
-_in_flight: Optional["FSDPUnit"] = None
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("in_flight",)
+
+
+_state = _State()
+_state.in_flight = None
 
 
 class FSDPUnit:
@@ -190,9 +199,8 @@ class FSDPUnit:
 
     def reset(self) -> None:
         """Forget an iteration an exception aborted: sharded parameters back, nothing pending, no gradients kept."""
-        global _in_flight
-        if _in_flight is self:
-            _in_flight = None
+        if _state.in_flight is self:
+            _state.in_flight = None
         self._gather = self._staging = self._gather_input = None  # issued on every rank or on none: not awaited
         self._gather_from_group = False
         self.swap_out()
@@ -299,12 +307,11 @@ class FSDPUnit:
         return g
 
     def _launch_reduce(self) -> None:
-        global _in_flight
         # As torch's fully_shard does: the previous reduce-scatter (another unit's, or this one's
         # left in flight by a backward that was not the last) has had this unit's backward to
         # finish; completing it now frees its packed input before we allocate ours.
-        if _in_flight is not None:
-            _in_flight.complete_reduce()
+        if _state.in_flight is not None:
+            _state.in_flight.complete_reduce()
         b = self.buffers
         packed = torch.empty((self.dp_mesh.size(), b.grad_numel), dtype=b.reduce_dtype, device=b.full.device)
         factor = self.gradient_divide_factor
@@ -321,7 +328,7 @@ class FSDPUnit:
         # The flags as they are now: the completion may run during a later backward. An async
         # reduce-scatter's input must live until it is done; a finished one's is freed here.
         self._reduce = (work, packed if asynchronous else None, self.requires_all_reduce, factor)
-        _in_flight = self
+        _state.in_flight = self
 
     def finish_gradients(self, wait: bool = True) -> None:
         """End of backward: reduce what never got ready, reshard, and (``wait``) write the gradients into ``.grad``."""
@@ -335,9 +342,8 @@ class FSDPUnit:
 
     def complete_reduce(self) -> None:
         """Wait for this unit's reduce-scatter (if any), all-reduce across replicas (HSDP), write ``.grad``."""
-        global _in_flight
-        if _in_flight is self:
-            _in_flight = None
+        if _state.in_flight is self:
+            _state.in_flight = None
         if self._reduce is None:
             return
         work, _, all_reduce, factor = self._reduce

@@ -31,12 +31,12 @@ Example:
 """
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
 
 from shardprop.dispatch import fast_paths as _fast
+from shardprop.mesh.config import values as _settings
 from shardprop.mesh import collectives as C
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Replicate
@@ -45,7 +45,16 @@ _is_compiling = torch.compiler.is_compiling
 
 # (weak param, partial local gradient, group key) recorded in this backward; flushed at its end.
 _pending: list = []
-_queued_task = None  # the graph task (one backward) whose end runs _flush
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("queued_task",)
+
+
+_state = _State()
+_state.queued_task = None  # the graph task (one backward) whose end runs _flush
 
 
 class GradLike:
@@ -77,7 +86,7 @@ class GradLike:
         placements = self.placements
         if not isinstance(grad, DTensor) or grad.placements == placements:
             return grad
-        dims = _reduced_dims(grad.placements, placements) if _fast.enabled else None
+        dims = _reduced_dims(grad.placements, placements) if _settings.fast_paths else None
         if dims is not None:
             node, p = _accumulator()
             if p is not None and _deferrable(p, node):
@@ -127,14 +136,13 @@ def _deferrable(p: torch.Tensor, node) -> bool:
 
 def _record(ref, local: torch.Tensor, mesh, dims: tuple) -> None:
     """Add one partial local gradient of the parameter ``ref()`` to this backward's pending reduction."""
-    global _queued_task
     task = torch._C._current_graph_task_id()
-    if task != _queued_task:
+    if task != _state.queued_task:
         # A new backward. Entries left over belong to one that raised before its end (its
         # callback never ran): drop them, and queue this backward's own flush.
         _pending.clear()
         torch.autograd.Variable._execution_engine.queue_callback(_flush)
-        _queued_task = task
+        _state.queued_task = task
     _pending.append((ref, local, (mesh, dims, local.dtype, local.device)))
 
 
@@ -165,7 +173,7 @@ class ParamLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, param, grad_spec):
-        ctx.grad_spec = grad_spec = _contiguous_spec(grad_spec)
+        ctx.grad_spec = grad_spec = grad_spec.contiguous()
         ctx.param = weakref.ref(param)
         placements = param._spec.placements
         ctx.dims = None if grad_spec.placements == placements else _reduced_dims(grad_spec.placements, placements)
@@ -213,17 +221,9 @@ def _accumulates(node) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=4096)
-def _contiguous_spec(spec):
-    """``spec`` with contiguous strides (itself when they are): specs are interned, so this caches by identity."""
-    twin = make_spec(spec.mesh, spec.placements, spec.shape, None, spec.dtype)
-    return spec if twin.tensor_meta.stride == spec.tensor_meta.stride else twin
-
-
 def _flush() -> None:
     """End of backward: one all-reduce per group of pending partial gradients, added into ``.grad``."""
-    global _queued_task
-    _queued_task = None
+    _state.queued_task = None
     pending = list(_pending)
     _pending.clear()
     groups: dict = {}
@@ -246,7 +246,7 @@ def _flush() -> None:
             if p is not None:
                 g = p.grad
                 if g is None:  # deferred by ParamLocal, no other gradient: the sum is the gradient
-                    p.grad = DTensor(flat[offset:offset + n].view(local.shape), _contiguous_spec(p._spec))
+                    p.grad = DTensor(flat[offset:offset + n].view(local.shape), p._spec.contiguous())
                     offset += n
                     continue
                 if not isinstance(g, DTensor):
@@ -261,3 +261,8 @@ def _flush() -> None:
 torch.serialization.add_safe_globals([GradLike])
 
 __all__ = ["GradLike", "ParamLocal", "grad_like"]
+
+
+_fast.register("grad_sync", "shardprop.parallel.fast.grad_sync",
+               "each partial parameter gradient reduced on its own (DTensor redistribute Partial -> Replicate)",
+               ("SequenceParallel", "RowwiseParallel"))

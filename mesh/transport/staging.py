@@ -37,12 +37,14 @@ Example:
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from shardprop.mesh import config
+from shardprop.mesh.config import values as _settings
 
 DIRECT, STAGE, UNSUPPORTED = "direct", "stage", "unsupported"
 CALLS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "scatter", "all_gather_views",
@@ -55,10 +57,16 @@ TABLE: Dict[Tuple[str, str], Dict[str, str]] = {
 }
 
 _MODES = ("", "cuda", "all")
-_forced = os.environ.get("SHARDPROP_FORCE_STAGING", "")
-if _forced not in _MODES:
-    raise ValueError(f"SHARDPROP_FORCE_STAGING={_forced!r}: want one of 'cuda', 'all' or unset")
-_inside = 0  # > 0 while a staged call runs its host copy (never staged again)
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("inside",)
+
+
+_state = _State()
+_state.inside = 0  # > 0 while a staged call runs its host copy (never staged again)
 # Staged calls by kind since the last ``stats.clear()`` (tests check that staging really ran).
 stats: Dict[str, int] = {}
 
@@ -116,7 +124,7 @@ def forced() -> str:
         >>> forced() in ("", "cuda", "all")
         True
     """
-    return _forced if not _inside else ""
+    return _settings.force_staging if not _state.inside else ""
 
 
 def force(mode: str) -> str:
@@ -128,11 +136,9 @@ def force(mode: str) -> str:
         >>> old = force("all"); force(old)
         'all'
     """
-    global _forced
     if mode not in _MODES:
         raise ValueError(f"shardprop staging: mode {mode!r}; want one of {_MODES}")
-    old, _forced = _forced, mode
-    return old
+    return config.set("force_staging", mode)
 
 
 def decide(call: str, t: torch.Tensor, group) -> str:
@@ -168,12 +174,11 @@ def host_call() -> Iterator[None]:
         ...     forced()
         ''
     """
-    global _inside
-    _inside += 1
+    _state.inside += 1
     try:
         yield
     finally:
-        _inside -= 1
+        _state.inside -= 1
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -26,13 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
-from shardprop.parallel.autograd_apply import direct_apply
-from shardprop.parallel.fused_linear import LocalOf, WrapLocal, on_mesh
-from shardprop.parallel.grad_sync import ParamLocal
+from shardprop.parallel.fast.autograd_apply import direct_apply
+from shardprop.parallel.fast.fused_linear import LocalOf, WrapLocal, on_mesh
+from shardprop.parallel.fast.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Shard
 
-_is_compiling = torch.compiler.is_compiling
 _P = (Partial(),)
 _KNOWN = (nn.LayerNorm, nn.RMSNorm)
 _param_local = direct_apply(ParamLocal)
@@ -40,28 +39,23 @@ _local_of = direct_apply(LocalOf)
 _wrap_local = direct_apply(WrapLocal)
 
 
-class FusedNorm:
-    """What a sequence-parallel norm's forward needs: mesh, sequence dim, output kind, the DTensor fallback.
+class FusedNorm(_fast.FastPath):
+    """A sequence-parallel norm's fast forward (a fast path, see ``FastPath``): mesh, sequence dim, output kind.
 
-    ``forward(module, input)`` is installed as the module's ``forward`` via ``functools.partial``.
+    ``forward(module, input)`` is installed as the module's ``forward`` via ``functools.partial``;
+    ``engine(module, x)`` is the DTensor path.
     """
 
+    _CACHES = ("_seq", "_out_spec")  # rebuilt on use (specs are per process)
+
     def __init__(self, mesh, sequence_dim: int, use_local_output: bool, hooked):
-        self.mesh, self.sequence_dim, self.use_local, self.hooked = mesh, sequence_dim, use_local_output, hooked
+        super().__init__(hooked)
+        self.mesh, self.sequence_dim, self.use_local = mesh, sequence_dim, use_local_output
         self._seq = {}
         self._out_spec = {}  # (global shape, dtype) -> the output's Shard(seq) spec (contiguous)
 
-    def __deepcopy__(self, memo):
-        return self  # immutable after construction; the mesh is shared, as DTensors share it
-
-    def __getstate__(self):
-        return {**vars(self), "_seq": {}, "_out_spec": {}}  # the caches are rebuilt on use (specs are per process)
-
-    def forward(self, module, input):  # noqa: A002 (the norms' forward argument name)
-        """The norm on this rank's sequence piece; a Shard(seq) DTensor out (local with use_local_output)."""
-        x = input
-        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor):
-            return self.hooked(module, x)
+    def eligible(self, module, x):
+        """(sequence placements, weight, bias), or None to take the DTensor path."""
         ndim = x.ndim
         seq = self._seq.get(ndim)
         if seq is None:
@@ -71,15 +65,16 @@ class FusedNorm:
         if not seq or not on_mesh(self.mesh, w, b) or (isinstance(x, DTensor) and x._spec.mesh != self.mesh):
             # the sequence dim is normalized over, or plain parameters or ones off the style's mesh
             # (fully_shard's resharded parameters): the engine path, which errors clearly where it must
-            return self.hooked(module, x)
-        if _fast.recording():
-            have = x.placements if isinstance(x, DTensor) else seq
-            name = "rms_norm (local)" if type(module) is nn.RMSNorm else "layer_norm (local)"
-            return _fast.run_recorded(name, "fast path: SequenceParallel norm", (have,), (0,),
-                                      self._norm, module, x, seq, w, b)
-        return self._norm(module, x, seq, w, b)
+            return None
+        return seq, w, b
 
-    def _norm(self, module, x, seq, w, b):
+    def describe(self, module, x, plan) -> tuple:
+        have = x.placements if isinstance(x, DTensor) else plan[0]
+        name = "rms_norm (local)" if type(module) is nn.RMSNorm else "layer_norm (local)"
+        return name, "fast path: SequenceParallel norm", (have,), (0,)
+
+    def local_forward(self, module, x, seq, w, b):
+        """The norm on this rank's sequence piece; a Shard(seq) DTensor out (local with use_local_output)."""
         mesh = self.mesh
         if isinstance(x, DTensor):
             if x._spec.placements != seq:
@@ -128,3 +123,8 @@ def install_norm(module: nn.Module, mesh, sequence_dim: int, use_local_output: b
 
 
 __all__ = ["FusedNorm", "install_norm"]
+
+
+_fast.register("sp_norm", "shardprop.parallel.fast.fused_norm.FusedNorm",
+               "SequenceParallel's DTensor hooks around LayerNorm/RMSNorm (the norm rules on Shard(seq))",
+               ("SequenceParallel",))

@@ -5,7 +5,7 @@ Built from the two styles (each keeps its own checks, hooks and errors), as
 """
 from __future__ import annotations
 
-from shardprop.parallel.styles import ParallelStyle, PrepareModuleInput, PrepareModuleOutput
+from shardprop.parallel.tp.styles import ParallelStyle, PrepareModuleInput, PrepareModuleOutput
 
 
 class PrepareModuleInputOutput(ParallelStyle):

@@ -45,14 +45,13 @@ from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh import collectives as C
-from shardprop.parallel.autograd_apply import direct_apply
-from shardprop.parallel.grad_sync import ParamLocal
+from shardprop.parallel.fast.autograd_apply import direct_apply
+from shardprop.parallel.fast.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
 from shardprop.tensor.layout import local_shape_and_offset
 from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements
 from shardprop.tensor.redistribute import redistribute_local
 
-_is_compiling = torch.compiler.is_compiling
 _R = (Replicate(),)
 _P = (Partial(),)
 _MESH_DIM = (0,)  # styles run on 1-d meshes
@@ -74,7 +73,7 @@ class LocalOf(torch.autograd.Function):
         spec = ctx.grad_spec
         # The spec's strides must describe the gradient's memory order, not the forward's.
         if grad.is_contiguous():
-            spec = _contiguous_twin(spec)
+            spec = spec.contiguous()
         else:
             stride = stride_like(grad, spec.shape)
             if stride != spec.tensor_meta.stride:
@@ -102,13 +101,6 @@ class WrapLocal(torch.autograd.Function):
         if grad._spec.placements != want:
             return redistribute_local(grad._local_tensor, grad._spec, want), None
         return grad._local_tensor, None
-
-
-@functools.lru_cache(maxsize=4096)
-def _contiguous_twin(spec):
-    """``spec`` with contiguous strides (itself when they are): specs are interned, so this caches by identity."""
-    twin = make_spec(spec.mesh, spec.placements, spec.shape, None, spec.dtype)
-    return spec if twin.tensor_meta.stride == spec.tensor_meta.stride else twin
 
 
 class _CopyIn(torch.autograd.Function):
@@ -193,26 +185,22 @@ _relayout = direct_apply(_Relayout)
 
 
 # ---------------------------------------------------------------- the forward
-class FusedLinear:
-    """What a styled Linear's (or Embedding's) forward needs: mesh, layouts, column- or row-parallel.
+class FusedLinear(_fast.FastPath):
+    """A styled Linear's fast forward (a fast path, see ``FastPath``): mesh, layouts, column- or row-parallel.
 
-    ``forward(module, x)`` (``forward_embedding`` for an Embedding) is installed as the module's
-    ``forward`` via ``functools.partial``, so ``copy.deepcopy`` of the model rebinds it to the copy.
-    ``hooked(module, x)`` is the DTensor path (used while torch.compile traces).
+    ``forward(module, x)`` is installed as the module's ``forward`` via ``functools.partial``, so
+    ``copy.deepcopy`` of the model rebinds it to the copy. ``engine(module, x)`` is the DTensor path
+    (the style's hooks around the module's own forward).
     """
 
+    _CACHES = ("_norm", "_rows_of")  # rebuilt on use
+
     def __init__(self, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool, hooked):
+        super().__init__(hooked)
         self.what, self.colwise, self.mesh = what, colwise, mesh
         self.in_layout, self.out_layout, self.use_local = in_layout, out_layout, use_local_output
-        self.hooked = hooked
         self._norm = {}
         self._rows_of = {}
-
-    def __deepcopy__(self, memo):
-        return self  # immutable after construction; the mesh is shared, as DTensors share it
-
-    def __getstate__(self):
-        return {**vars(self), "_norm": {}, "_rows_of": {}}  # caches are rebuilt on use
 
     def placements(self, layout, ndim: int) -> tuple:
         """``layout`` as a normalized 1-tuple for a tensor of ``ndim`` dims (Shard(-1) -> Shard(ndim-1)), cached."""
@@ -222,11 +210,8 @@ class FusedLinear:
             p = self._norm[key] = normalize_placements((layout,), ndim, 1, "parallel style")
         return p
 
-    def forward(self, module, input):  # noqa: A002 (nn.Linear.forward's name: module(input=x) works)
-        """The Linear's forward under the style: local matmul plus explicit collectives."""
-        x = input
-        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor):
-            return self.hooked(module, x)
+    def eligible(self, module, x):
+        """(feature-sharded layout, output layout, bias), or None to take the DTensor path."""
         ndim = x.ndim
         last = self.placements(Shard(-1), ndim)
         out = self.placements(self.out_layout, ndim)
@@ -236,16 +221,17 @@ class FusedLinear:
             # A feature-sharded output needs the bias sharded too. And with a frozen weight, the bias (added
             # after the reduction) would get its gradient before the matmul's backward reads the weight:
             # fully_shard frees the gathered weight once every trainable gradient is in. DTensor path for both.
-            return self.hooked(module, x)
+            return None
         if not on_mesh(self.mesh, module.weight, b):
-            return self.hooked(module, x)  # parameters moved off the style's mesh: the engine says what is wrong
-        if _fast.recording():
-            have = x.placements if isinstance(x, DTensor) else self.placements(self.in_layout, ndim)
-            return _fast.run_recorded("linear (local)", f"fast path: {self.what}", (have,), _MESH_DIM,
-                                      self._linear, module, x, last, out, b)
-        return self._linear(module, x, last, out, b)
+            return None  # parameters moved off the style's mesh: the engine says what is wrong
+        return last, out, b
 
-    def _linear(self, module, x, last, out, b):
+    def describe(self, module, x, plan) -> tuple:
+        have = x.placements if isinstance(x, DTensor) else self.placements(self.in_layout, x.ndim)
+        return "linear (local)", f"fast path: {self.what}", (have,), _MESH_DIM
+
+    def local_forward(self, module, x, last, out, b):
+        """The Linear's forward under the style: local matmul plus explicit collectives."""
         xl = self._local_input(x, _R if self.colwise else last)
         w = module.weight
         w = _param_local(w, w._spec)
@@ -253,39 +239,6 @@ class FusedLinear:
             y = F.linear(xl, w, None if b is None else _param_local(b, b._spec))
             return self._output(y, last, out, None, module.weight._spec.shape[0])
         return self._output(F.linear(xl, w), _P, out, b)
-
-    def forward_embedding(self, module, input):  # noqa: A002 (nn.Embedding.forward's name)
-        """The Embedding's forward under the style: a local (masked, for a vocabulary shard) lookup.
-
-        Token ids are plain replicated tensors here (the default input layout); DTensor ids take
-        the DTensor path.
-        """
-        x = input
-        if not _fast.enabled or _is_compiling() or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
-                or not on_mesh(self.mesh, module.weight, None):
-            return self.hooked(module, x)
-        if _fast.recording():
-            return _fast.run_recorded("embedding (local)", f"fast path: {self.what}", (_R,), _MESH_DIM,
-                                      self._embedding, module, x)
-        return self._embedding(module, x)
-
-    def _embedding(self, module, x):
-        w = module.weight
-        wl = _param_local(w, w._spec)
-        ndim = x.ndim + 1
-        out = self.placements(self.out_layout, ndim)
-        if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
-            return self._output(F.embedding(x, wl), self.placements(Shard(-1), ndim), out, None, w._spec.shape[1])
-        lo, rows = self._rows(w)  # the vocabulary is sharded: look up the ids this rank holds, zeros elsewhere
-        if rows == 0:
-            # An empty trailing shard (a vocabulary tp does not divide): no id is here. Zeros that still
-            # depend on the (empty) local weight, so its gradient is an empty tensor as on the other path.
-            y = torch.zeros(x.shape + (wl.shape[1],), dtype=wl.dtype, device=wl.device) + wl.sum(0)
-        else:
-            outside = (x < lo) | (x >= lo + rows)
-            y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
-        return self._output(y, _P, out, None)
-
 
     def _rows(self, w) -> tuple:
         """(first row, number of rows) of this rank's vocabulary shard of ``w`` (cached per spec)."""
@@ -328,13 +281,12 @@ class FusedLinear:
         # so autograd sums their input gradients before the one collective that reduces them.
         if not (x.requires_grad and torch.is_grad_enabled()):
             return self._convert_input(x, want)
-        global _last_input
-        last = _last_input
+        last = _state.last_input
         if last is not None and last[0] is x and last[1] == x._version and last[2] is self.mesh \
                 and last[3] == self.in_layout:
             return last[4]
         out = self._convert_input(x, want)
-        _last_input = (x, x._version, self.mesh, self.in_layout, out)
+        _state.last_input = (x, x._version, self.mesh, self.in_layout, out)
         return out
 
     def _convert_input(self, x, want: tuple):
@@ -356,10 +308,53 @@ class FusedLinear:
         return _relayout(x, _spec_of_local(x, mesh, have), want, grad_want, _grad_placements(have))
 
 
+class FusedEmbedding(FusedLinear):
+    """A styled Embedding's fast forward: a local (masked, for a vocabulary shard) lookup.
+
+    Token ids are plain replicated tensors here (the default input layout); DTensor ids take the
+    DTensor path.
+    """
+
+    def eligible(self, module, x):
+        if isinstance(x, DTensor) or not on_mesh(self.mesh, module.weight, None):
+            return None
+        return ()
+
+    def describe(self, module, x, plan) -> tuple:
+        return "embedding (local)", f"fast path: {self.what}", (_R,), _MESH_DIM
+
+    def local_forward(self, module, x):
+        """The Embedding's forward under the style: a local (masked, for a vocabulary shard) lookup."""
+        w = module.weight
+        wl = _param_local(w, w._spec)
+        ndim = x.ndim + 1
+        out = self.placements(self.out_layout, ndim)
+        if self.colwise:  # the embedding dim is sharded: the lookup gives this rank's features
+            return self._output(F.embedding(x, wl), self.placements(Shard(-1), ndim), out, None, w._spec.shape[1])
+        lo, rows = self._rows(w)  # the vocabulary is sharded: look up the ids this rank holds, zeros elsewhere
+        if rows == 0:
+            # An empty trailing shard (a vocabulary tp does not divide): no id is here. Zeros that still
+            # depend on the (empty) local weight, so its gradient is an empty tensor as on the other path.
+            y = torch.zeros(x.shape + (wl.shape[1],), dtype=wl.dtype, device=wl.device) + wl.sum(0)
+        else:
+            outside = (x < lo) | (x >= lo + rows)
+            y = F.embedding((x - lo).masked_fill(outside, 0), wl).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self._output(y, _P, out, None)
+
+
 # The last replicated local input made with autograd recording: (input, its version, mesh, declared
 # input layout, local input). Cleared by the first backward through any node below, so it keeps an
 # activation alive only from one forward to its backward (or to the next forward).
-_last_input = None
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("last_input",)
+
+
+_state = _State()
+_state.last_input = None
 
 
 def on_mesh(mesh, *params) -> bool:
@@ -377,8 +372,7 @@ def on_mesh(mesh, *params) -> bool:
 
 
 def _forget_input() -> None:
-    global _last_input
-    _last_input = None
+    _state.last_input = None
 
 
 def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_local_output: bool,
@@ -397,16 +391,25 @@ def install(module, what: str, colwise: bool, mesh, in_layout, out_layout, use_l
         return False
     if "forward" in vars(module):
         return False
-    fused = FusedLinear(what, colwise, mesh, in_layout, out_layout, use_local_output, hooked)
     if type(module).forward is nn.Linear.forward:
+        fused = FusedLinear(what, colwise, mesh, in_layout, out_layout, use_local_output, hooked)
         module.forward = functools.partial(fused.forward, module)
         return True
     plain_lookup = (module.padding_idx is None and module.max_norm is None and not module.scale_grad_by_freq
                     and not module.sparse) if isinstance(module, nn.Embedding) else False
     if type(module).forward is nn.Embedding.forward and plain_lookup and type(in_layout) is Replicate:
-        module.forward = functools.partial(fused.forward_embedding, module)
+        fused = FusedEmbedding(what, colwise, mesh, in_layout, out_layout, use_local_output, hooked)
+        module.forward = functools.partial(fused.forward, module)
         return True
     return False  # a subclass with its own forward (LoRA, quantized, ...) computes something else
 
 
 __all__ = ["FusedLinear", "LocalOf", "WrapLocal", "install"]
+
+
+_fast.register("linear", "shardprop.parallel.fast.fused_linear.FusedLinear",
+               "ColwiseParallel/RowwiseParallel's DTensor hooks around nn.Linear.forward (the engine's rules)",
+               ("ColwiseParallel", "RowwiseParallel"))
+_fast.register("embedding", "shardprop.parallel.fast.fused_linear.FusedEmbedding",
+               "the styles' DTensor hooks around nn.Embedding.forward (the embedding rule, masked lookup)",
+               ("ColwiseParallel", "RowwiseParallel"))

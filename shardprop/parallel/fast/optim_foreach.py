@@ -26,9 +26,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardprop.dispatch import fast_paths as _fast
+from shardprop.mesh import config as _config
+from shardprop.mesh.config import values as _settings
 from shardprop.tensor.dtensor import DTensor
 
-_enabled = True
 _MARK = "_shardprop_foreach"  # set on a group while its step runs with foreach chosen here
 
 
@@ -39,9 +40,7 @@ def set_optimizer_foreach_default(on: bool) -> bool:
         >>> old = set_optimizer_foreach_default(False); set_optimizer_foreach_default(old)
         False
     """
-    global _enabled
-    old, _enabled = _enabled, bool(on)
-    return old
+    return _config.set("optimizer_foreach", on)
 
 
 def _wants_foreach(group: dict) -> bool:
@@ -53,7 +52,7 @@ def _wants_foreach(group: dict) -> bool:
 
 
 def _before_step(optimizer, args, kwargs):
-    if not (_enabled and _fast.enabled) or torch.compiler.is_compiling():
+    if not (_settings.optimizer_foreach and _settings.fast_paths) or torch.compiler.is_compiling():
         return None
     for group in optimizer.param_groups:
         if _wants_foreach(group):
@@ -72,3 +71,7 @@ def _after_step(optimizer, args, kwargs):
 _handles = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step))
 
 __all__ = ["set_optimizer_foreach_default"]
+
+
+_fast.register("optimizer_foreach", "shardprop.parallel.fast.optim_foreach",
+               "torch's per-parameter optimizer loop on DTensors (foreach left at None)", ("torch.optim",))

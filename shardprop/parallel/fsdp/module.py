@@ -1,6 +1,6 @@
 """FSDPModule (mixed into every ``fully_shard``-ed module's class) and ``register_fsdp_forward_method``.
 
-Each setter changes what a unit does at run time (see :mod:`shardprop.parallel.fsdp_unit`):
+Each setter changes what a unit does at run time (see :mod:`shardprop.parallel.fsdp.unit`):
 which collectives it issues, when, over which group, and how gradients are scaled.
 
 Example:
@@ -14,8 +14,8 @@ from typing import List, Optional
 
 import torch.nn as nn
 
-from shardprop.parallel.fsdp_api import GradientReductionHandle, UnshardHandle
-from shardprop.parallel.fsdp_hooks import post_forward, pre_forward, reset_iteration, root_state_of, state_for, units_under
+from shardprop.parallel.fsdp.api import GradientReductionHandle, UnshardHandle
+from shardprop.parallel.fsdp.hooks import post_forward, pre_forward, reset_iteration, root_state_of, state_for, units_under
 
 
 def _targets(module, recurse: bool):

@@ -1,7 +1,7 @@
 """distribute_module and parallelize_module: lay a model out over a mesh.
 
 ``distribute_module`` is the low-level tool (parameters to DTensors plus input/output
-hooks); ``parallelize_module`` applies tensor-parallel styles (``shardprop.parallel.styles``)
+hooks); ``parallelize_module`` applies tensor-parallel styles (``shardprop.parallel.tp.styles``)
 to submodules chosen by dotted names with ``*`` wildcards.
 """
 from __future__ import annotations
@@ -14,15 +14,24 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 from torch import nn
 
 from shardprop.mesh.device_mesh import mesh_or_current
-
-from shardprop.parallel.styles import ParallelStyle, check_divisible, distribute_params, replicated
+from shardprop.parallel.tp.styles import ParallelStyle, check_divisible, distribute_params, replicated
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Replicate
 
 
 # Callables run on a module once distribute_module / parallelize_module has laid it out. Rooms above
-# this one add to it (shardprop.checkpoint: let load_state_dict take plain full tensors).
+# this one add to it through add_on_distributed (shardprop/assembly.py: load_state_dict takes plain full tensors).
 on_distributed: List[Callable[[nn.Module], None]] = []
+
+
+def add_on_distributed(hook: Callable[[nn.Module], None]) -> None:
+    """Run ``hook(module)`` on every module distribute_module / parallelize_module lays out (once per hook).
+
+    Example:
+        >>> add_on_distributed(lambda module: None)  # doctest: +SKIP
+    """
+    if hook not in on_distributed:
+        on_distributed.append(hook)
 
 
 def _distributed(module: nn.Module) -> nn.Module:

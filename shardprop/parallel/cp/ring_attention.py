@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 
 from shardprop.mesh import collectives
-from shardprop.parallel.attention_blocks import accum_dtype, block_backward, block_forward, block_kind, merge_into
+from shardprop.mesh import config as _config
+from shardprop.mesh.config import values as _settings
+from shardprop.parallel.cp.attention_blocks import accum_dtype, block_backward, block_forward, block_kind, merge_into
 
 __all__ = ["RingPlan", "attention_method", "estimate_costs", "plan_for", "ring_attention", "set_rotate_method"]
 
@@ -39,9 +41,6 @@ FLOPS = 2e10
 ALLGATHER_MAX_BYTES = 8 << 20
 _TAG_FWD, _TAG_BWD_KV, _TAG_BWD_GRAD = 0x2C000, 0x2D000, 0x2E000
 
-_rotate_method = "auto"
-
-
 def set_rotate_method(method: str) -> str:
     """Force ``"ring"`` or ``"allgather"`` for context-parallel attention, or ``"auto"`` (the cost model); returns the old one.
 
@@ -49,11 +48,9 @@ def set_rotate_method(method: str) -> str:
         >>> old = set_rotate_method("ring"); set_rotate_method(old)
         'ring'
     """
-    global _rotate_method
     if method not in METHODS:
         raise ValueError(f"context_parallel: rotate method {method!r} is not one of {METHODS}")
-    old, _rotate_method = _rotate_method, method
-    return old
+    return _config.set("cp_rotate_method", method)
 
 
 @dataclass(frozen=True)
@@ -119,8 +116,8 @@ def attention_method(query: torch.Tensor, key: torch.Tensor, n: int, causal: boo
         >>> attention_method(torch.empty(1, 8, 8192, 64), torch.empty(1, 8, 8192, 64), 4)
         'ring'
     """
-    if _rotate_method != "auto":
-        return _rotate_method
+    if _settings.cp_rotate_method != "auto":
+        return _settings.cp_rotate_method
     b, h, s, d = (math.prod(key.shape[:-3]) if key.dim() > 3 else 1), key.shape[-3], key.shape[-2], key.shape[-1]
     costs = estimate_costs(b, h, s, d, key.element_size(), n, causal)
     if n * costs["kv_bytes"] > ALLGATHER_MAX_BYTES:

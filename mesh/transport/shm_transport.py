@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from shardprop.mesh import groups as _groups
+from shardprop.mesh.config import values as _settings
 
 _HEADER = 64          # bytes before each payload (size, sequence number), keeps payloads 64-byte aligned
 _COUNTERS = 256       # a ring's head, tail, "receiver asleep" and "sender wants room" flags, one cache line each
@@ -66,7 +67,6 @@ _FENCE = threading.Lock()
 # Tries (each a sched_yield) before a waiting rank sleeps on its pipe: a yield hands the core to a
 # runnable rank, a sleep costs a wake-up later. Measured on 4 ranks / 2 cores, interleaved TP steps
 # (torchtitan plan): 200 tries against 0 took 15% off at dim 64 and 3% at dim 256.
-_SPINS = int(os.environ.get("SHARDPROP_SHM_SPINS", "200"))
 
 
 # The ordering argument (payload stores before the head store, a locked instruction as a full
@@ -75,12 +75,11 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def _enabled_by_env() -> bool:
-    return _X86 and os.environ.get("SHARDPROP_SHM_TRANSPORT", "1") != "0" and os.environ.get(
-        "SHARDPROP_DIRECT_COLLECTIVES", "1") != "0"
+    return _X86 and _settings.shm_transport and _settings.direct_collectives
 
 
 def _ring_bytes() -> int:
-    mb = float(os.environ.get("SHARDPROP_SHM_RING_MB", "4"))
+    mb = _settings.shm_ring_mb
     return max(64 << 10, int(mb * (1 << 20)) // _HEADER * _HEADER)
 
 
@@ -92,7 +91,7 @@ def _host_id() -> str:
     # SHARDPROP_HOST_ID names the host outright: ranks that share a machine but should behave as
     # on separate hosts (the two-host test tier: two torchrun agents on one machine) get different
     # ones, and only ranks with equal ids share memory; between them gloo carries the messages.
-    given = os.environ.get("SHARDPROP_HOST_ID", "")
+    given = _settings.host_id
     if given:
         return f"id:{given}"
     try:
@@ -302,7 +301,7 @@ class Transport:
             self._progress()
             if ready():
                 return
-            if spins < _SPINS:
+            if spins < _settings.shm_spins:
                 spins += 1
                 os.sched_yield()
                 continue

@@ -14,8 +14,8 @@ holder of ``t.untyped_storage()`` (torch returns the pool's own handle object) r
 object's Python refcount. A buffer is handed out again only when both show the pool alone. Anything unusual (torch without the count, shared memory, a resized storage, a
 device other than CPU, tensors torch.compile traces) allocates normally.
 
-Bounded: only buffers of at least ``MIN_BYTES``; at most ``MAX_BUFFERS`` kept and
-``MAX_BYTES`` in all; the least recently used are forgotten first (forgetting a buffer in
+Bounded: only buffers of at least ``MIN_BYTES``; at most the settings ``buffer_max_buffers`` kept and
+``buffer_max_bytes`` in all; the least recently used are forgotten first (forgetting a buffer in
 use is harmless: its holders keep it). Off with ``set_buffer_reuse(False)``.
 """
 from __future__ import annotations
@@ -27,22 +27,30 @@ from typing import Optional, Sequence
 
 import torch
 
-from shardprop.mesh import compat
+from shardprop.mesh import compat, config
+from shardprop.mesh.config import values as _settings
 
 # Below this a fresh buffer is as fast (glibc reuses freed memory) and taking one from the pool
 # costs more: measured on 4 gloo ranks, a 1 MB all-gather output is 4-11% faster fresh, a 2 MB one
 # 16% faster pooled.
 MIN_BYTES = 3 << 19          # 1.5 MB
-MAX_BUFFERS = 16
-MAX_BYTES = 1 << 30          # kept memory, in use or not
 
 # torch's count of the references to a storage (absent: never reuse).
 _use_count = compat.storage_use_count
-_enabled = _use_count is not None
+_USABLE = _use_count is not None
 _lock = threading.Lock()
 # storage address (StorageImpl*) -> (nbytes, UntypedStorage handle); most recently used last.
 _kept: "OrderedDict[int, tuple]" = OrderedDict()
-_kept_bytes = 0
+
+
+class _State:
+    """This module's mutable state, in one object (no `global` statements)."""
+
+    __slots__ = ("kept_bytes",)
+
+
+_state = _State()
+_state.kept_bytes = 0
 # Tally for tests and benches: buffers handed out again, and fresh ones kept.
 stats = {"reused": 0, "allocated": 0}
 
@@ -56,14 +64,17 @@ def set_buffer_reuse(enabled: bool, *, max_bytes: Optional[int] = None, max_buff
     Example:
         >>> set_buffer_reuse(False); set_buffer_reuse(True, max_bytes=256 << 20)
     """
-    global _enabled, MAX_BYTES, MAX_BUFFERS
+    # The watchers below forget or evict what the new settings no longer allow.
+    if max_bytes is not None:
+        config.set("buffer_max_bytes", max_bytes)
+    if max_buffers is not None:
+        config.set("buffer_max_buffers", max_buffers)
+    config.set("buffer_reuse", enabled)
+
+
+def _follow_settings(_value) -> None:
     with _lock:
-        _enabled = bool(enabled) and _use_count is not None
-        if max_bytes is not None:
-            MAX_BYTES = int(max_bytes)
-        if max_buffers is not None:
-            MAX_BUFFERS = int(max_buffers)
-        if not _enabled:
+        if not (_settings.buffer_reuse and _USABLE):
             _forget_all()
         else:
             _evict()
@@ -76,7 +87,7 @@ def buffer_reuse_enabled() -> bool:
         >>> isinstance(buffer_reuse_enabled(), bool)
         True
     """
-    return _enabled
+    return _settings.buffer_reuse and _USABLE
 
 
 def clear() -> None:
@@ -90,9 +101,8 @@ def clear() -> None:
 
 
 def _forget_all() -> None:
-    global _kept_bytes
     _kept.clear()
-    _kept_bytes = 0
+    _state.kept_bytes = 0
 
 
 def plain(t: torch.Tensor) -> bool:
@@ -104,7 +114,7 @@ def plain(t: torch.Tensor) -> bool:
         >>> plain(torch.ones(1)) == buffer_reuse_enabled()
         True
     """
-    return _enabled and type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return _settings.buffer_reuse and _USABLE and type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -164,7 +174,6 @@ _OWN_REFS = _python_refs_in_loop(OrderedDict([(0, (0, object()))]))
 
 def _take(nbytes: int) -> torch.UntypedStorage:
     """A storage of ``nbytes`` nobody holds, kept by the pool (a fresh one if none is free)."""
-    global _kept_bytes
     with _lock:
         for key, (size, storage) in _kept.items():
             if size != nbytes:
@@ -173,7 +182,7 @@ def _take(nbytes: int) -> torch.UntypedStorage:
                 # A resized or shared storage is not what was kept: forget it.
                 if storage.nbytes() != size or storage.is_shared():
                     del _kept[key]
-                    _kept_bytes -= size
+                    _state.kept_bytes -= size
                     break
                 _kept.move_to_end(key)
                 stats["reused"] += 1
@@ -181,17 +190,16 @@ def _take(nbytes: int) -> torch.UntypedStorage:
         storage = torch.UntypedStorage(nbytes)
         stats["allocated"] += 1
         _kept[storage._cdata] = (nbytes, storage)
-        _kept_bytes += nbytes
+        _state.kept_bytes += nbytes
         _evict()
         return storage
 
 
 def _evict() -> None:
     """Forget the least recently used buffers beyond the bounds (under the lock)."""
-    global _kept_bytes
-    while _kept and (len(_kept) > MAX_BUFFERS or _kept_bytes > MAX_BYTES):
+    while _kept and (len(_kept) > _settings.buffer_max_buffers or _state.kept_bytes > _settings.buffer_max_bytes):
         _, (size, _) = _kept.popitem(last=False)
-        _kept_bytes -= size
+        _state.kept_bytes -= size
 
 
 def idle_bytes() -> int:
@@ -219,3 +227,7 @@ def holds(t: torch.Tensor) -> int:
     if not _kept:
         return 0
     return 1 if t.untyped_storage()._cdata in _kept else 0
+
+
+for _name in ("buffer_reuse", "buffer_max_bytes", "buffer_max_buffers"):
+    config.watch(_name, _follow_settings)

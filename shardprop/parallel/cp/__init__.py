@@ -1,0 +1,1 @@
+"""Context parallelism: ``context_parallel`` and ring attention over a sequence-sharded mesh dim."""

@@ -1,0 +1,1 @@
+"""Data parallelism over one mesh dim: bucketed gradient all-reduce (as DDP does)."""
