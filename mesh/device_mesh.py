@@ -188,12 +188,13 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
             self._adopt(_dim_groups, backend)
         elif _parent is None and backend == "gloo":  # collective, like creating the groups below
             shm_transport.attach()
-        # Only this rank's groups are created (one per set of dims): cost flat in the world size.
-        # NCCL splits every group of a dim from the default communicator in one collective call.
-        split = backend == "nccl" and compat.split_group is not None
+        # On the fake backend only this rank's groups are created (one per set of dims): cost flat
+        # in the world size. Elsewhere every rank creates every group, in one order (see
+        # groups.own_groups_only); NCCL splits every group of a dim off in one collective call.
+        own_only = _groups.own_groups_only(backend)
         for dims in (() if _dim_groups is not None else _combos(self.mesh.ndim)):
             mine = _my_list(self.mesh, self._coord, dims) if self._coord is not None else []
-            if _parent is None and split:
+            if _parent is None and not own_only:
                 group = _groups.create_groups(_rank_lists(self.mesh, dims), backend)
             elif _parent is None:
                 group = _groups.create_group(mine, backend) if mine else None

@@ -158,9 +158,9 @@ def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Opti
     """Create (or reuse) one group per rank list; return the one holding this rank.
 
     Every rank must call this with the same lists in the same order: group creation is
-    collective over the default group. Used for NCCL, whose lists (one partition of the ranks)
-    are split from the default communicator in one call; other backends take
-    :func:`create_group`, which only the members call.
+    collective over the default group. On NCCL the lists (one partition of the ranks) are split
+    from the default communicator in one call. (On the fake backend meshes take
+    :func:`create_group`, which only the members call.)
 
     Example:
         >>> create_groups([[0, 1], [2, 3]], "nccl")  # doctest: +SKIP
@@ -173,8 +173,9 @@ def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Opti
         for k in todo:
             _group_cache[k] = split if me in k[1] else None
     else:
+        named = None if follows_default(backend) else backend
         for k in todo:
-            _group_cache[k] = dist.new_group(list(k[1]), timeout=collective_timeout(), backend=backend)
+            _group_cache[k] = dist.new_group(list(k[1]), timeout=collective_timeout(), backend=named)
     for k in keys:
         if me in k[1]:
             return _group_cache[k]
@@ -286,14 +287,28 @@ def lookup(backend: str, ranks) -> Optional[dist.ProcessGroup]:
     return _group_cache.get(cache_key(backend, ranks))
 
 
+def own_groups_only(backend: str) -> bool:
+    """Whether a mesh creates only the groups holding this rank (else every group, on every rank).
+
+    Only on torch's fake backend, where one process plays one rank and no peer has to agree on
+    anything. Elsewhere every rank creates every group of a mesh in one order, as torch's own
+    DeviceMesh does: c10d numbers groups with a per-process counter that every rank must advance
+    alike (torch 2.15 salts even ``use_local_synchronization`` groups' names with it), so a rank
+    that skipped the groups it is not in would later rendezvous under another name and hang.
+
+    Example:
+        >>> own_groups_only("gloo")
+        False
+    """
+    return backend == "fake"
+
+
 def create_group(ranks: Sequence[int], backend: str) -> dist.ProcessGroup:
     """Create (or reuse) the group over ``ranks``, which hold this rank; only those ranks call it.
 
-    The group is synchronised among its members only (``use_local_synchronization``), so a
-    rank of a mesh of N ranks creates its own few groups, never the N / size others: building a
-    mesh costs the same at 4 ranks as at 65,536. Members must create their shared groups in the
-    same order (a mesh walks its dims in order, so they do). A group over the whole world on a
-    followed backend (the fake backend of a dry run) is the default group itself.
+    For the fake backend (:func:`own_groups_only`): a rank of a mesh of N ranks creates its own
+    few groups, never the N / size others, so building a mesh costs the same at 4 ranks as at
+    65,536. A group over the whole world is the default group itself.
 
     Example:
         >>> create_group([0, 1], "gloo")  # on ranks 0 and 1  # doctest: +SKIP
