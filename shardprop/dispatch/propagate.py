@@ -157,7 +157,7 @@ def meta_run(schema: OpSchema):
     args = [_to_meta(a) for a in schema.args]
     kwargs = {k: _to_meta(v) for k, v in schema.kwargs}
     try:
-        out = registry.OUTPUT_METAS.get(op, op)(*args, **kwargs)
+        out = (registry.entry(op).output_meta or op)(*args, **kwargs)
     except Exception as e:
         raise ShardingError(f"{op}: could not infer output shapes on meta tensors ({type(e).__name__}: {e})") from e
     returns = returns_kind(op, out)
@@ -166,28 +166,14 @@ def meta_run(schema: OpSchema):
     return (_meta_of(out),), returns
 
 
-@functools.lru_cache(maxsize=None)
 def _op_alias(op):
-    """('self' | 'out' | None) from the op's schema: does it write into its first argument, or out=?"""
-    try:
-        s = op._schema
-    except AttributeError:
-        return None
-    if s.arguments and s.arguments[0].alias_info is not None and s.arguments[0].alias_info.is_write:
-        return "self"
-    if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
-        return "out"
-    return None
+    """('self' | 'out' | None) from the op's schema: does it write into its first argument, or out=? (its entry's)"""
+    return registry.entry(op).alias
 
 
-@functools.lru_cache(maxsize=None)
 def written_kwargs(op) -> tuple:
-    """Names of the keyword-only arguments ``op`` writes into (``out``, ``values``/``indices``, ...)."""
-    try:
-        return tuple(a.name for a in op._schema.arguments
-                     if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
-    except AttributeError:
-        return ()
+    """Names of the keyword-only arguments ``op`` writes into (``out``, ``values``/``indices``, ...): its entry's."""
+    return registry.entry(op).written
 
 
 def returns_kind(op, out) -> str:
@@ -396,7 +382,8 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool 
         if s.mesh != mesh:
             raise MeshMismatchError(f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
                                 "redistribute them onto one mesh first")
-    rule = registry.lookup(op)
+    entry = registry.entry(op)
+    rule = entry.rule
     if rule is None:
         if not _settings.fallback_to_replicate:
             raise ShardingError(
@@ -434,7 +421,7 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool 
         if j >= len(out_pl) or out_pl[j] is None or any(p is None for p in out_pl[j]):
             raise ShardingError(f"{where}: gives no placement for output {j}")
         out_specs.append(DTensorSpec(mesh, _normalize_out(out_pl[j], len(meta.shape), where), meta))
-    local_call = registry.LOCAL_CALLS.get(op)
+    local_call = entry.local_call
     if returns == "out" and check_out:  # the rule checker asks with check_out=False, then makes out= match
         moved = _check_out(schema, out_specs, where)
         if moved is not None:  # out= laid out otherwise: computed as the result, then redistributed into out
