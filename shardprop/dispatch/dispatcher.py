@@ -17,6 +17,11 @@ from shardprop.dispatch import outside as _outside
 from shardprop.dispatch import plain_tensors as _plain
 from shardprop.dispatch import propagate as _prop
 from shardprop.dispatch import registry as _registry
+from shardprop.dispatch.plain_tensors import (  # noqa: F401  (PlainTensorError, same_on_every_rank: public here too)
+    PlainTensorError,
+    plain_tensor_error,
+    same_on_every_rank,
+)
 from shardprop.dispatch.registry import (  # noqa: F401  (the dispatcher's own names for them)
     call_counts,
     clear_memos,
@@ -60,22 +65,6 @@ def wrap(local: torch.Tensor, spec) -> "DTensor":
     return r
 
 
-class PlainTensorError(_prop.ShardingError):
-    """A plain (non-0-dim) torch.Tensor mixed with DTensors; ``run`` retries integer/bool/all-zero ones as Replicate."""
-
-
-def _plain_tensor_error(a, differs: bool = False) -> Exception:
-    # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
-    why = ("that torch made inside the op but that is not the same on every rank" if differs else
-           "(only 0-dim and one-element tensors, Python scalars, integer/bool tensors and what torch's own code "
-           "makes inside an op, verified identical on every rank, join as replicated; inside "
-           "shardprop.implicit_replication() plain tensors join as Replicate)")
-    return PlainTensorError(
-        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)} {why}. Make it "
-        "a DTensor first with shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, "
-        "placements).")
-
-
 def _flatten(seq, largs: list, key: list) -> None:
     """Append each argument's local form to ``largs`` and its cache-key form to ``key``."""
     for a in seq:
@@ -115,7 +104,7 @@ def _flatten(seq, largs: list, key: list) -> None:
                 largs.append(a)
                 key.append(k)
             else:
-                raise _plain_tensor_error(a)
+                raise plain_tensor_error(a)
         elif t is complex:
             largs.append(a)
             key.append(COMPLEX)
@@ -205,7 +194,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             split = _split_positions(op, args, kwargs, compute, rec)
             if split is not _NOT_SPLIT:
                 return split
-        args, kwargs = _replicate_plain_indices(args, kwargs, rec.written)  # raises for differing ones
+        args, kwargs = _plain.replicate_plain_indices(args, kwargs, rec.written)  # raises for differing ones
         return run(op, args, kwargs, compute, rec)
     if rec is None:
         rec = _entries.get(op) or _entry(op)
@@ -386,72 +375,6 @@ def _run_on_values(op, args, kwargs):
     """
     args, kwargs = tree_map_only(DTensor, lambda d: d.full_tensor(), (args, kwargs or {}))
     return getattr(op, "_op", op)(*args, **kwargs)
-
-
-def _replicate_plain_indices(args, kwargs, written=()):
-    """``args``/``kwargs`` with integer and bool plain tensors wrapped as Replicate DTensors.
-
-    torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
-    ``aten.index(x, [tensor([1, 2])])``), so they hold the same values on every rank.
-    Floating ones join only when verified identical on every rank (``plain_tensors``: what
-    torch's composites and backward formulas build inside an op, ``eye``, tolerances,
-    zeros); one that differs between ranks raises on every rank: guessing it replicated
-    would silently give a wrong result.
-
-    Example:
-        >>> _replicate_plain_indices((x, [torch.tensor([1, 2])]), None)  # x a DTensor  # doctest: +SKIP
-        ((x, [DTensor(... placements=[R])]), None)
-    """
-    from shardprop.tensor.dtensor import make_spec
-    from shardprop.tensor.placement import Replicate
-    mesh = _first_mesh((args, kwargs))
-
-    def conv(a, read=True):
-        t = type(a)
-        if t is list or t is tuple:
-            return t(conv(x, read) for x in a)
-        if t is dict:
-            return {k: conv(v, k not in written) for k, v in a.items()}
-        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            # An out= target is written, never read: its old values need not agree (torch.empty buffers).
-            if mesh is None:
-                raise _plain_tensor_error(a)
-            # Outside the mesh there is no one to compare with, and nothing is computed.
-            check = read and mesh._coord is not None
-            verdict = _plain.joins_as_replicate(a, mesh, bool(_hooks.implicit_replication)) if check else True
-            if verdict is not True:
-                raise _plain_tensor_error(a, verdict is _plain.DIFFERS)
-            spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
-            return DTensor(a, spec)
-        return a
-
-    return conv(args), conv(kwargs) if kwargs else kwargs
-
-
-def same_on_every_rank(t) -> bool:
-    """Whether a plain tensor mixed with DTensors may be taken as replicated (see _replicate_plain_indices).
-
-    Example:
-        >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
-        (True, False)
-    """
-    return bool(_hooks.implicit_replication) or _plain.local_rule(t)
-
-
-def _first_mesh(a):
-    if isinstance(a, DTensor):
-        return a._spec.mesh
-    if type(a) in (list, tuple):
-        items = a
-    elif type(a) is dict:
-        items = a.values()
-    else:
-        return None
-    for x in items:
-        m = _first_mesh(x)
-        if m is not None:
-            return m
-    return None
 
 
 def _redistribute_inputs(op, args, kwargs, out, schema, written):
