@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections import defaultdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -35,12 +34,6 @@ from shardprop.tensor.redistribute import (
 )
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
-
-# Cache-miss counters (the engine's own; shardprop.debug.stats reads them): op -> misses, seconds
-# spent propagating, and misses that succeeded (entries put in the cache).
-misses: Dict[object, int] = defaultdict(int)
-miss_seconds: Dict[object, float] = defaultdict(float)
-inserted: Dict[object, int] = defaultdict(int)
 
 # Callables op -> str that add advice to the no-rule error; set by rooms that can serve such ops
 # (decompose.py adds the decomposition opt-in), so this module never imports them.
@@ -352,11 +345,11 @@ def _propagate(schema: OpSchema) -> OutputSharding:
         ok = True
         return out
     finally:
-        op = schema.op
-        misses[op] += 1
-        miss_seconds[op] += time.perf_counter() - t0
+        e = registry.entry(schema.op)  # the op's cache-miss counters (shardprop.debug.stats reads them)
+        e.misses += 1
+        e.miss_seconds += time.perf_counter() - t0
         if ok:
-            inserted[op] += 1
+            e.inserted += 1
 
 
 def propagate_uncached(schema: OpSchema) -> OutputSharding:
@@ -512,11 +505,19 @@ def cache_clear() -> None:
     cache.fn.cache_clear()
 
 
+def miss_counts() -> dict:
+    """op -> (misses, inserted, seconds spent propagating): the cache-miss counters kept in each op's entry.
+
+    Example:
+        >>> miss_counts().get(aten.mm.default, (0, 0, 0.0))  # doctest: +SKIP
+        (1, 1, 0.0004)
+    """
+    return registry.miss_counts()
+
+
 def reset_miss_counts() -> None:
     """Zero the cache-miss counters (with the cache, by cache_control.clear_cache)."""
-    misses.clear()
-    miss_seconds.clear()
-    inserted.clear()
+    registry.reset_miss_counts()
 
 
 def add_no_rule_hint(hint: Callable[[object], str]) -> None:

@@ -82,7 +82,9 @@ class OpEntry:
     - ``written``: names of the keyword-only arguments it writes into; ``alias``: 'self', 'out' or None;
     - ``guard_view``: a view op whose result, when its input had to move, is a guarded copy;
     - ``call``: the fastest callable that runs it on plain tensors (``method_calls``);
-    - ``hash``: ``hash(op)`` once; ``memo``: (arg keys, kwarg keys) -> OutputSharding; ``calls``: dispatcher calls.
+    - ``hash``: ``hash(op)`` once; ``memo``: (arg keys, kwarg keys) -> OutputSharding;
+    - counters: ``calls`` (dispatcher calls), ``misses`` (propagations), ``inserted`` (those that
+      succeeded: entries put in the cache), ``miss_seconds`` (time spent propagating).
 
     Example:
         >>> e = entry(torch.ops.aten.add_.Tensor); e.alias, e.call is torch.Tensor.add_
@@ -90,7 +92,7 @@ class OpEntry:
     """
 
     __slots__ = ("op", "hash", "special", "outside_safe", "calls", "call", "memo", "rule", "local_call",
-                 "output_meta", "positionwise", "written", "alias", "guard_view")
+                 "output_meta", "positionwise", "written", "alias", "guard_view", "misses", "inserted", "miss_seconds")
 
     def __init__(self, op):
         self.op = op
@@ -107,6 +109,8 @@ class OpEntry:
         self.written = written_kwargs(op)
         self.alias = op_alias(op)
         self.guard_view = bool(getattr(op, "is_view", False)) and op not in _MAY_COPY
+        self.misses = self.inserted = 0
+        self.miss_seconds = 0.0
 
     def __repr__(self):
         return f"OpEntry({self.op})"
@@ -135,13 +139,18 @@ def settle_special(e: OpEntry):
         handler = _hooks.first_call_hook(e.op)
     e.special = handler
     e.outside_safe = e.op in _OUTSIDE_SAFE
-    if entries.get(e.op) is not e:  # dropped while the hook registered a handler: this one stands
-        entries[e.op] = e
     return handler
 
 
-def _drop(op) -> None:
-    entries.pop(op, None)
+def _special_changed(op) -> None:
+    """A special handler registered or removed: the entry starts its dispatch life afresh (handler,
+    call counter, memo); with none registered its next dispatch asks the first-call hook again."""
+    e = entries.get(op)
+    if e is not None:
+        e.special = _SPECIAL.get(op, UNASKED)
+        e.outside_safe = op in _OUTSIDE_SAFE
+        e.calls = 0
+        e.memo.clear()
 
 
 def _refresh(o) -> None:
@@ -198,7 +207,7 @@ def register_special(op, handler, *, outside_safe: bool = False) -> None:
         _OUTSIDE_SAFE.add(op)
     else:
         _OUTSIDE_SAFE.discard(op)
-    _drop(op)
+    _special_changed(op)
 
 
 def unregister_special(op) -> None:
@@ -209,7 +218,7 @@ def unregister_special(op) -> None:
     """
     _SPECIAL.pop(op, None)
     _OUTSIDE_SAFE.discard(op)
-    _drop(op)
+    _special_changed(op)
 
 
 def register_positionwise(ops) -> None:
@@ -236,8 +245,21 @@ def call_counts() -> dict:
 
 
 def reset_counts() -> None:
+    """Zero the dispatcher call counters."""
     for e in entries.values():
         e.calls = 0
+
+
+def miss_counts() -> dict:
+    """op -> (misses, inserted, seconds spent propagating), for ops propagated since the last reset."""
+    return {op: (e.misses, e.inserted, e.miss_seconds) for op, e in entries.items() if e.misses}
+
+
+def reset_miss_counts() -> None:
+    """Zero the propagation (cache-miss) counters."""
+    for e in entries.values():
+        e.misses = e.inserted = 0
+        e.miss_seconds = 0.0
 
 
 def clear_memos() -> None:
