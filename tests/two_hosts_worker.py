@@ -20,7 +20,7 @@ def _check(ok: bool, what: str) -> None:
 
 
 def _transport_peers_are_this_hosts_ranks() -> None:
-    from shardprop.mesh import shm_transport
+    from shardprop.mesh.transport import shm_transport
     me, host = dist.get_rank(), os.environ["SHARDPROP_HOST_ID"]
     ids = [None] * dist.get_world_size()
     dist.all_gather_object(ids, host)
@@ -32,7 +32,7 @@ def _transport_peers_are_this_hosts_ranks() -> None:
 
 def _sweep(mesh) -> int:
     from shardprop import Partial, Replicate, Shard, distribute_tensor
-    from shardprop.mesh import shm_transport
+    from shardprop.mesh.transport import shm_transport
     full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)  # 10 rows: uneven over 4 ranks
     options = [Shard(0), Shard(1), Replicate()]
     before = shm_transport.active().messages_sent
