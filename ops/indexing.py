@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from shardprop.dispatch import dispatcher as _dispatch
+from shardprop.dispatch import plain_tensors as _plain
 from shardprop.dispatch.registry import rule
 from shardprop.mesh.compat import aten_packets
 from shardprop.tensor.dtensor import DTensor, make_spec
@@ -335,7 +336,7 @@ def _index_with_masks(op, args, kwargs):
     indices = kwargs["indices"] if in_kwargs else args[1]
     if indices is None or not any(isinstance(t, torch.Tensor) and t.dtype in _MASK_DTYPES for t in indices):
         return _dispatch.run(op, args, kwargs)
-    mesh = _dispatch._first_mesh((args, kwargs))
+    mesh = _plain.first_mesh((args, kwargs))
     new = []
     for t in indices:
         if isinstance(t, torch.Tensor) and t.dtype in _MASK_DTYPES:

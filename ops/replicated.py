@@ -28,13 +28,8 @@ from __future__ import annotations
 import torch
 
 from shardprop.dispatch.hooks import hooks as _hooks
-from shardprop.dispatch.dispatcher import (
-    _plain_tensor_error,
-    register_special,
-    same_on_every_rank,
-    wrap,
-)
-from shardprop.dispatch.plain_tensors import joins_as_replicate
+from shardprop.dispatch.dispatcher import register_special, wrap
+from shardprop.dispatch.plain_tensors import joins_as_replicate, plain_tensor_error, same_on_every_rank
 from shardprop.dispatch.propagate import ShardingError
 from shardprop.mesh.compat import aten_ops
 from shardprop.dispatch.registry import register_local_call, rule
@@ -176,7 +171,7 @@ def _gathered(args, mesh_box):
         return t(_gathered(a, mesh_box) for a in args)
     if isinstance(args, torch.Tensor) and args.dim() > 0 and not (
             joins_as_replicate(args, mesh_box[0], bool(_hooks.implicit_replication)) is True if mesh_box else same_on_every_rank(args)):
-        raise _plain_tensor_error(args)
+        raise plain_tensor_error(args)
     return args
 
 

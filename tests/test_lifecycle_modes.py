@@ -120,7 +120,7 @@ def _define_composite_op():
 
 def _decided_once():
     import shardprop as sp
-    from shardprop.dispatch import decompose, dispatcher
+    from shardprop.dispatch import decompose, registry
     mesh = sp.init_device_mesh("cpu", (2,))
     scale2 = _define_composite_op()
     x = sp.distribute_tensor(torch.randn(4, 3), mesh, [sp.Shard(0)])
@@ -130,8 +130,8 @@ def _decided_once():
         torch.nn.functional.linear(x, w.t())
         torch.mm(x, w)
         y = scale2(x)
-    out["linear_handler"] = dispatcher._OPS[aten.linear.default][0] is decompose._handler
-    out["mm_no_handler"] = dispatcher._OPS[aten.mm.default][0] is None
+    out["linear_handler"] = registry.entries[aten.linear.default].special is decompose._handler
+    out["mm_no_handler"] = registry.entries[aten.mm.default].special is None
     out["composite_decomposed"] = (decompose.is_decomposed(scale2), y.placements == (sp.Shard(0),),
                                    bool(torch.equal(y.full_tensor(), 2 * x.full_tensor())))
     calls = []

@@ -180,9 +180,9 @@ def test_loss_parallel_never_materialises_full_logits():
 
 
 def test_handlers_installed_only_inside_the_context():
-    assert not any(op in sp_dispatch.SPECIAL for op in HANDLERS)
+    assert not any(sp_dispatch.special_handler(op) is not None for op in HANDLERS)
     with loss_parallel():
         with loss_parallel():  # nesting keeps them until the outermost exit
             pass
-        assert all(sp_dispatch.SPECIAL.get(op) is h for op, h in HANDLERS.items())
-    assert not any(op in sp_dispatch.SPECIAL for op in HANDLERS)
+        assert all(sp_dispatch.special_handler(op) is h for op, h in HANDLERS.items())
+    assert not any(sp_dispatch.special_handler(op) is not None for op in HANDLERS)

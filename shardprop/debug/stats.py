@@ -1,7 +1,7 @@
 """Cache statistics: per-op calls, misses and time spent propagating.
 
 The hot path adds one counter increment per call (``dispatcher.call_counts``); misses are
-counted where they are computed (``propagate.misses``), so hits are calls minus misses.
+counted where they are computed (``propagate.miss_counts``), so hits are calls minus misses.
 This module only reads those counters: the engine never imports it.
 """
 from __future__ import annotations
@@ -24,19 +24,19 @@ def cache_stats() -> List[dict]:
     """
     calls = dispatcher.call_counts()
     live = propagate.cache_info().currsize
-    inserted = sum(propagate.inserted.values())
+    missed = propagate.miss_counts()
+    inserted = sum(i for _, i, _ in missed.values())
     # Exact unless the cache evicted entries; then each op's share of the live ones.
     scale = 1.0 if inserted <= live else live / inserted
     rows = []
-    misses = propagate.misses
-    for op in set(calls) | set(misses):
-        c = max(calls.get(op, 0), misses.get(op, 0))
-        m = misses.get(op, 0)
+    for op in set(calls) | set(missed):
+        m, ins, seconds = missed.get(op, (0, 0, 0.0))
+        c = max(calls.get(op, 0), m)
         rows.append({
             "op": str(op), "calls": c, "hits": c - m, "misses": m,
             "hit_rate": (c - m) / c if c else 0.0,
-            "live_entries": round(propagate.inserted.get(op, 0) * scale),
-            "prop_ms": propagate.miss_seconds.get(op, 0.0) * 1e3,
+            "live_entries": round(ins * scale),
+            "prop_ms": seconds * 1e3,
         })
     rows.sort(key=lambda r: (-r["calls"], r["op"]))
     return rows
@@ -71,7 +71,7 @@ def _print_at_exit() -> None:
             return
     except Exception:
         pass
-    if propagate.misses:
+    if propagate.miss_counts():
         print_cache_stats()
 
 

@@ -197,8 +197,8 @@ def _sync() -> None:
         if op not in _installed and registry.lookup(op) is None and dispatch.special_handler(op) is None:
             install(op)
     # A composite op seen before while it had a rule, whose rule is gone now: decompose it again.
-    for op, rec in list(dispatch._OPS.items()):
-        if rec[0] is None and registry.lookup(op) is None and composite_kernel(op) is not None:
+    for op in registry.ops_seen_without_special():
+        if registry.lookup(op) is None and composite_kernel(op) is not None:
             install(op)
 
 

@@ -17,7 +17,20 @@ from shardprop.dispatch import outside as _outside
 from shardprop.dispatch import plain_tensors as _plain
 from shardprop.dispatch import propagate as _prop
 from shardprop.dispatch import registry as _registry
-from shardprop.dispatch.method_calls import local_callable
+from shardprop.dispatch.plain_tensors import (  # noqa: F401  (PlainTensorError, same_on_every_rank: public here too)
+    PlainTensorError,
+    plain_tensor_error,
+    same_on_every_rank,
+)
+from shardprop.dispatch.registry import (  # noqa: F401  (the dispatcher's own names for them)
+    call_counts,
+    clear_memos,
+    register_positionwise,
+    register_special,
+    reset_counts,
+    special_handler,
+    unregister_special,
+)
 from shardprop.dispatch.op_schema import COMPLEX, FLOAT, OpSchema, ScalarTensor, _marker
 from shardprop.mesh import device_mesh as _dm
 from shardprop.tensor import dtensor as _dt
@@ -33,98 +46,14 @@ _FALSE = _marker("<False>")
 _scalar_keys = {}
 _float_kwargs = {}  # kwarg names -> the key of those kwargs when all are floats
 
-# op -> handler(op, args, kwargs) for ops that need more than a rule. Use register_special.
-SPECIAL = {}
-# Special ops whose handler may run on a rank outside the mesh as is: it communicates nothing
-# itself (a local read, or a decomposition whose ops come back through the dispatcher).
-OUTSIDE_SAFE = set()
-# op -> [special handler or None, hash(op), calls, callable, memo, handler outside-safe]: one dict lookup per call gives all
-# (OpOverload hashes in Python; hashing it once here saves that on every call).
-_OPS = {}
-
-# Ops over lists whose position i depends only on position i of each list (_foreach_*, the fused
-# optimizers): lists mixing plain tensors and DTensors, or DTensors of several meshes, run as one
-# call per group (see _split_positions).
-# Filled by the rooms that own their rules; consulted only when a plain tensor was found.
-POSITIONWISE = set()
+# op -> its OpEntry (registry.py): one dict lookup per call gives all the op's facts.
+_entries = _registry.entries
+_entry = _registry.entry
+_UNASKED = _registry.UNASKED
 _NOT_SPLIT = _marker("<not split>")
 
 # The hooks other rooms plug in (recorder, explicit mode, implicit replication, first-call hook): see hooks.py.
 _hooks = _hooks_mod.hooks
-
-
-def special_handler(op):
-    """The special handler registered for ``op``, or None.
-
-    Example:
-        >>> special_handler(aten.mm.default) is None  # doctest: +SKIP
-        True
-    """
-    return SPECIAL.get(op)
-
-
-def unregister_special(op) -> None:
-    """Send ``op`` back to the rule-based path (undoes :func:`register_special`).
-
-    Example:
-        >>> unregister_special(aten._local_scalar_dense.default)  # doctest: +SKIP
-    """
-    SPECIAL.pop(op, None)
-    OUTSIDE_SAFE.discard(op)
-    _OPS.pop(op, None)
-
-
-def register_positionwise(ops) -> None:
-    """Mark list ops whose position i depends only on position i of each list (see :data:`POSITIONWISE`).
-
-    Example:
-        >>> register_positionwise([aten._foreach_add.List])  # doctest: +SKIP
-    """
-    POSITIONWISE.update(ops)
-
-
-def register_special(op, handler, *, outside_safe: bool = False) -> None:
-    """Route ``op`` to ``handler(op, args, kwargs)`` instead of the rule-based path.
-
-    ``outside_safe``: the handler communicates nothing itself, so it runs as is on a rank
-    outside the mesh (else such a rank takes ``outside``'s no-op path, see :func:`_special_outside`).
-
-    Example:
-        >>> register_special(aten._local_scalar_dense.default, item_handler)  # doctest: +SKIP
-    """
-    SPECIAL[op] = handler
-    if outside_safe:
-        OUTSIDE_SAFE.add(op)
-    else:
-        OUTSIDE_SAFE.discard(op)
-    _OPS.pop(op, None)
-
-
-def _op_record(op) -> list:
-    # [special handler, hash(op), calls, the callable that runs op on plain tensors (method_calls),
-    #  memo: (arg keys, kwarg keys) -> OutputSharding]
-    # Built once per op (the first call), so deciding on a decomposition here costs nothing later.
-    handler = SPECIAL.get(op)
-    if handler is None and _hooks.first_call_hook is not None:
-        handler = _hooks.first_call_hook(op)
-    rec = _OPS[op] = [handler, hash(op), 0, local_callable(op), {}, op in OUTSIDE_SAFE]
-    return rec
-
-
-def call_counts() -> dict:
-    """op -> number of dispatcher calls (for statistics)."""
-    return {op: rec[2] for op, rec in _OPS.items() if rec[2]}
-
-
-def reset_counts() -> None:
-    for rec in _OPS.values():
-        rec[2] = 0
-
-
-def clear_memos() -> None:
-    """Forget every op's remembered propagation answers (with the propagation cache)."""
-    for rec in _OPS.values():
-        rec[4].clear()
 
 
 def wrap(local: torch.Tensor, spec) -> "DTensor":
@@ -134,22 +63,6 @@ def wrap(local: torch.Tensor, spec) -> "DTensor":
     r._local_tensor = local
     r._spec = spec
     return r
-
-
-class PlainTensorError(_prop.ShardingError):
-    """A plain (non-0-dim) torch.Tensor mixed with DTensors; ``run`` retries integer/bool/all-zero ones as Replicate."""
-
-
-def _plain_tensor_error(a, differs: bool = False) -> Exception:
-    # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
-    why = ("that torch made inside the op but that is not the same on every rank" if differs else
-           "(only 0-dim and one-element tensors, Python scalars, integer/bool tensors and what torch's own code "
-           "makes inside an op, verified identical on every rank, join as replicated; inside "
-           "shardprop.implicit_replication() plain tensors join as Replicate)")
-    return PlainTensorError(
-        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)} {why}. Make it "
-        "a DTensor first with shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, "
-        "placements).")
 
 
 def _flatten(seq, largs: list, key: list) -> None:
@@ -191,7 +104,7 @@ def _flatten(seq, largs: list, key: list) -> None:
                 largs.append(a)
                 key.append(k)
             else:
-                raise _plain_tensor_error(a)
+                raise plain_tensor_error(a)
         elif t is complex:
             largs.append(a)
             key.append(COMPLEX)
@@ -218,17 +131,26 @@ def dispatch(op, args=(), kwargs=None):
 
 def torch_dispatch(cls, op, types, args=(), kwargs=None):
     """DTensor.__torch_dispatch__: special handlers first, else the rule-based path."""
-    rec = _OPS.get(op)
-    if rec is None:
-        rec = _op_record(op)
-    if rec[0] is not None:
-        if _dm.flags.excluded_from_some_mesh and not rec[5]:
+    e = _entries.get(op)
+    if e is None:
+        e = _entry(op)
+    handler = e.special
+    if handler is not None:
+        if handler is _UNASKED:  # the op's first dispatch: decide on its special handler once
+            return _first_call(op, args, kwargs, e)
+        if _dm.flags.excluded_from_some_mesh and not e.outside_safe:
             mesh = _outside.excluded_mesh(args, kwargs)
             if mesh is not None:
-                return _special_outside(op, args, kwargs, rec, mesh)
-        return rec[0](op, args, kwargs)
-    rec[2] += 1
-    return run(op, args, kwargs, None, rec)
+                return _special_outside(op, args, kwargs, e, mesh)
+        return handler(op, args, kwargs)
+    e.calls += 1
+    return run(op, args, kwargs, None, e)
+
+
+def _first_call(op, args, kwargs, e):
+    """torch_dispatch at ``op``'s first call: settle its special handler (first-call hook), then dispatch."""
+    _registry.settle_special(e)
+    return torch_dispatch(DTensor, op, (), args, kwargs)
 
 
 def _special_outside(op, args, kwargs, rec, mesh):
@@ -236,7 +158,7 @@ def _special_outside(op, args, kwargs, rec, mesh):
     res = _outside.special_result(op, args, kwargs, mesh)
     if res is not None:
         return res
-    if _registry.lookup(op) is not None:
+    if rec.rule is not None:
         return run(op, args, kwargs, None, rec)  # the rule gives the specs; its outside form computes nothing
     return _outside.shaped_like_meta(op, args, kwargs, mesh)
 
@@ -266,23 +188,25 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             lkwargs = {}
             kkey = ()
     except PlainTensorError:
-        if op in POSITIONWISE:
+        if rec is None:
+            rec = _entry(op)
+        if rec.positionwise:
             split = _split_positions(op, args, kwargs, compute, rec)
             if split is not _NOT_SPLIT:
                 return split
-        args, kwargs = _replicate_plain_indices(args, kwargs, _prop.written_kwargs(op))  # raises for differing ones
+        args, kwargs = _plain.replicate_plain_indices(args, kwargs, rec.written)  # raises for differing ones
         return run(op, args, kwargs, compute, rec)
     if rec is None:
-        rec = _OPS.get(op) or _op_record(op)
+        rec = _entries.get(op) or _entry(op)
     # The op's own memo answers a repeated call without building an OpSchema; a miss asks the
     # cached propagate (which keeps the statistics) and remembers its answer here.
     key = (tuple(key), kkey)
-    memo = rec[4]
+    memo = rec.memo
     schema = None
     try:
         out = memo.get(key)
         if out is None:
-            out = _cache.fn(schema := OpSchema(op, key[0], kkey, rec[1]))
+            out = _cache.fn(schema := OpSchema(op, key[0], kkey, rec.hash))
             if _outside.is_outside(out):  # decided once per answer: a hit never asks
                 out = _outside.sharding_for(out)
             size = _cache.memo_size  # a full memo starts over; none with the propagate cache off
@@ -291,11 +215,11 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             if size:
                 memo[key] = out
     except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
-        out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec[1]))
+        out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec.hash))
         if _outside.is_outside(out):
             out = _outside.sharding_for(out)
     except _prop.MeshMismatchError:
-        if op in POSITIONWISE:  # a list op over parameters of several meshes: one call per mesh
+        if rec.positionwise:  # a list op over parameters of several meshes: one call per mesh
             split = _split_positions(op, args, kwargs, compute, rec)
             if split is not _NOT_SPLIT:
                 return split
@@ -303,15 +227,15 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             return _run_on_values(op, args, kwargs)
         raise
     if out.needs_redistribute:
-        schema = schema or OpSchema(op, key[0], kkey, rec[1])
-        largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema)
-        if op.is_view and op not in _MAY_COPY:
+        schema = schema or OpSchema(op, key[0], kkey, rec.hash)
+        largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema, rec.written)
+        if rec.guard_view:
             return _copied_view(op, args, out, schema, compute or out.local_call, rec, largs, lkwargs)
     if _hooks.recorder is not None:
-        _hooks.recorder.record(schema or OpSchema(op, key[0], kkey, rec[1]), out)
+        _hooks.recorder.record(schema or OpSchema(op, key[0], kkey, rec.hash), out)
     if compute is None or out.outside:  # outside the mesh, even a special handler's compute gives way
         compute = out.local_call
-    res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
+    res = rec.call(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     returns = out.returns
     if returns == "tensor" or (returns == "view" and not _inference_mode_enabled()):
         # wrap() inlined: the common case, on the hot path (views under inference_mode: _wrap_view)
@@ -334,7 +258,7 @@ def run(op, args, kwargs=None, compute=None, rec=None):
         wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
         return tuple(wrapped) if returns == "tuple" else wrapped
     if returns == "out":
-        return _written(op, kwargs)
+        return _written(rec.written, kwargs)
     return res
 
 
@@ -357,11 +281,6 @@ def _wrap_view(res, out, base, single: bool):
     return [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
 
 
-# View ops whose result torch itself documents as "a view or a copy": writing into it is
-# not expected to reach the base, so it needs no guard.
-_MAY_COPY = {torch.ops.aten.reshape.default, torch.ops.aten.reshape_as.default}
-
-
 def _copied_view(op, args, out, schema, compute, rec, largs, lkwargs):
     """Run a view op whose input had to move first: its result is a copy, not a view.
 
@@ -372,7 +291,7 @@ def _copied_view(op, args, out, schema, compute, rec, largs, lkwargs):
     """
     if _hooks.recorder is not None:
         _hooks.recorder.record(schema, out)
-    res = rec[3](*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
+    res = rec.call(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     single = out.returns == "view"
     wrapped = _wrap_view(res, out, args[0], single)
     wrapped = [wrapped] if single else wrapped
@@ -458,73 +377,7 @@ def _run_on_values(op, args, kwargs):
     return getattr(op, "_op", op)(*args, **kwargs)
 
 
-def _replicate_plain_indices(args, kwargs, written=()):
-    """``args``/``kwargs`` with integer and bool plain tensors wrapped as Replicate DTensors.
-
-    torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
-    ``aten.index(x, [tensor([1, 2])])``), so they hold the same values on every rank.
-    Floating ones join only when verified identical on every rank (``plain_tensors``: what
-    torch's composites and backward formulas build inside an op, ``eye``, tolerances,
-    zeros); one that differs between ranks raises on every rank: guessing it replicated
-    would silently give a wrong result.
-
-    Example:
-        >>> _replicate_plain_indices((x, [torch.tensor([1, 2])]), None)  # x a DTensor  # doctest: +SKIP
-        ((x, [DTensor(... placements=[R])]), None)
-    """
-    from shardprop.tensor.dtensor import make_spec
-    from shardprop.tensor.placement import Replicate
-    mesh = _first_mesh((args, kwargs))
-
-    def conv(a, read=True):
-        t = type(a)
-        if t is list or t is tuple:
-            return t(conv(x, read) for x in a)
-        if t is dict:
-            return {k: conv(v, k not in written) for k, v in a.items()}
-        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            # An out= target is written, never read: its old values need not agree (torch.empty buffers).
-            if mesh is None:
-                raise _plain_tensor_error(a)
-            # Outside the mesh there is no one to compare with, and nothing is computed.
-            check = read and mesh._coord is not None
-            verdict = _plain.joins_as_replicate(a, mesh, bool(_hooks.implicit_replication)) if check else True
-            if verdict is not True:
-                raise _plain_tensor_error(a, verdict is _plain.DIFFERS)
-            spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
-            return DTensor(a, spec)
-        return a
-
-    return conv(args), conv(kwargs) if kwargs else kwargs
-
-
-def same_on_every_rank(t) -> bool:
-    """Whether a plain tensor mixed with DTensors may be taken as replicated (see _replicate_plain_indices).
-
-    Example:
-        >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
-        (True, False)
-    """
-    return bool(_hooks.implicit_replication) or _plain.local_rule(t)
-
-
-def _first_mesh(a):
-    if isinstance(a, DTensor):
-        return a._spec.mesh
-    if type(a) in (list, tuple):
-        items = a
-    elif type(a) is dict:
-        items = a.values()
-    else:
-        return None
-    for x in items:
-        m = _first_mesh(x)
-        if m is not None:
-            return m
-    return None
-
-
-def _redistribute_inputs(op, args, kwargs, out, schema):
+def _redistribute_inputs(op, args, kwargs, out, schema, written):
     """Rebuild the local arguments with each input moved to the layout the strategy needs."""
     if _hooks.explicit_mode is not None:
         _hooks.explicit_mode(schema, out)
@@ -545,7 +398,6 @@ def _redistribute_inputs(op, args, kwargs, out, schema):
         # reduced value, and the op writes into that.
         args[0]._local_tensor = largs[0]
         args[0]._spec = out.in_specs[0]
-    written = _prop.written_kwargs(op)
     lkwargs = {}
     for k, v in (kwargs or {}).items():
         if k in written:  # written, not read: never redistributed
@@ -555,9 +407,8 @@ def _redistribute_inputs(op, args, kwargs, out, schema):
     return largs, lkwargs
 
 
-def _written(op, kwargs):
-    """What an out= variant returns: the DTensor(s) it wrote into."""
-    names = _prop.written_kwargs(op)
+def _written(names, kwargs):
+    """What an out= variant returns: the DTensor(s) it wrote into (``names``: its written kwargs)."""
     return kwargs[names[0]] if len(names) == 1 else tuple(kwargs[n] for n in names)
 
 

@@ -37,7 +37,14 @@ import sys
 
 import torch
 
+from shardprop.dispatch import hooks as _hooks_mod
+from shardprop.dispatch.propagate import ShardingError
 from shardprop.mesh import collectives as C
+from shardprop.tensor.dtensor import DTensor, make_spec
+from shardprop.tensor.placement import Replicate
+
+_Tensor = torch.Tensor
+_hooks = _hooks_mod.hooks
 
 
 def needs_check(t: torch.Tensor) -> bool:
@@ -161,3 +168,84 @@ def joins_as_replicate(t: torch.Tensor, mesh, implicit: bool):
     if t.numel() != 1 and torch._C._current_graph_task_id() == -1 and not made_by_torch():
         return False  # one element: torch's DTensor takes those as replicated too (ours verifies them)
     return True if same_on_every_rank_checked(t, mesh) else DIFFERS
+
+
+# ---------------------------------------------------------------- plain tensors met beside DTensors
+class PlainTensorError(ShardingError):
+    """A plain (non-0-dim) torch.Tensor mixed with DTensors; ``run`` retries integer/bool/all-zero ones as Replicate."""
+
+
+def plain_tensor_error(a, differs: bool = False) -> Exception:
+    # Not a TypeError: torch turns those into NotImplemented for operators (x + t), hiding the message.
+    why = ("that torch made inside the op but that is not the same on every rank" if differs else
+           "(only 0-dim and one-element tensors, Python scalars, integer/bool tensors and what torch's own code "
+           "makes inside an op, verified identical on every rank, join as replicated; inside "
+           "shardprop.implicit_replication() plain tensors join as Replicate)")
+    return PlainTensorError(
+        f"shardprop: an op mixes a DTensor with a plain torch.Tensor of shape {tuple(a.shape)} {why}. Make it "
+        "a DTensor first with shardprop.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, "
+        "placements).")
+
+
+def replicate_plain_indices(args, kwargs, written=()):
+    """``args``/``kwargs`` with integer and bool plain tensors wrapped as Replicate DTensors.
+
+    torch builds such tensors itself from Python lists (``x[[1, 2]]`` becomes
+    ``aten.index(x, [tensor([1, 2])])``), so they hold the same values on every rank.
+    Floating ones join only when verified identical on every rank (``plain_tensors``: what
+    torch's composites and backward formulas build inside an op, ``eye``, tolerances,
+    zeros); one that differs between ranks raises on every rank: guessing it replicated
+    would silently give a wrong result.
+
+    Example:
+        >>> replicate_plain_indices((x, [torch.tensor([1, 2])]), None)  # x a DTensor  # doctest: +SKIP
+        ((x, [DTensor(... placements=[R])]), None)
+    """
+    mesh = first_mesh((args, kwargs))
+
+    def conv(a, read=True):
+        t = type(a)
+        if t is list or t is tuple:
+            return t(conv(x, read) for x in a)
+        if t is dict:
+            return {k: conv(v, k not in written) for k, v in a.items()}
+        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
+            # An out= target is written, never read: its old values need not agree (torch.empty buffers).
+            if mesh is None:
+                raise plain_tensor_error(a)
+            # Outside the mesh there is no one to compare with, and nothing is computed.
+            check = read and mesh._coord is not None
+            verdict = joins_as_replicate(a, mesh, bool(_hooks.implicit_replication)) if check else True
+            if verdict is not True:
+                raise plain_tensor_error(a, verdict is DIFFERS)
+            spec = make_spec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype)
+            return DTensor(a, spec)
+        return a
+
+    return conv(args), conv(kwargs) if kwargs else kwargs
+
+
+def same_on_every_rank(t) -> bool:
+    """Whether a plain tensor mixed with DTensors may be taken as replicated (see _replicate_plain_indices).
+
+    Example:
+        >>> same_on_every_rank(torch.tensor([1, 2])), same_on_every_rank(torch.randn(2))
+        (True, False)
+    """
+    return bool(_hooks.implicit_replication) or local_rule(t)
+
+
+def first_mesh(a):
+    if isinstance(a, DTensor):
+        return a._spec.mesh
+    if type(a) in (list, tuple):
+        items = a
+    elif type(a) is dict:
+        items = a.values()
+    else:
+        return None
+    for x in items:
+        m = first_mesh(x)
+        if m is not None:
+            return m
+    return None

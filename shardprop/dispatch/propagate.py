@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections import defaultdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -35,12 +34,6 @@ from shardprop.tensor.redistribute import (
 )
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
-
-# Cache-miss counters (the engine's own; shardprop.debug.stats reads them): op -> misses, seconds
-# spent propagating, and misses that succeeded (entries put in the cache).
-misses: Dict[object, int] = defaultdict(int)
-miss_seconds: Dict[object, float] = defaultdict(float)
-inserted: Dict[object, int] = defaultdict(int)
 
 # Callables op -> str that add advice to the no-rule error; set by rooms that can serve such ops
 # (decompose.py adds the decomposition opt-in), so this module never imports them.
@@ -157,7 +150,7 @@ def meta_run(schema: OpSchema):
     args = [_to_meta(a) for a in schema.args]
     kwargs = {k: _to_meta(v) for k, v in schema.kwargs}
     try:
-        out = registry.OUTPUT_METAS.get(op, op)(*args, **kwargs)
+        out = (registry.entry(op).output_meta or op)(*args, **kwargs)
     except Exception as e:
         raise ShardingError(f"{op}: could not infer output shapes on meta tensors ({type(e).__name__}: {e})") from e
     returns = returns_kind(op, out)
@@ -166,28 +159,14 @@ def meta_run(schema: OpSchema):
     return (_meta_of(out),), returns
 
 
-@functools.lru_cache(maxsize=None)
 def _op_alias(op):
-    """('self' | 'out' | None) from the op's schema: does it write into its first argument, or out=?"""
-    try:
-        s = op._schema
-    except AttributeError:
-        return None
-    if s.arguments and s.arguments[0].alias_info is not None and s.arguments[0].alias_info.is_write:
-        return "self"
-    if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
-        return "out"
-    return None
+    """('self' | 'out' | None) from the op's schema: does it write into its first argument, or out=? (its entry's)"""
+    return registry.entry(op).alias
 
 
-@functools.lru_cache(maxsize=None)
 def written_kwargs(op) -> tuple:
-    """Names of the keyword-only arguments ``op`` writes into (``out``, ``values``/``indices``, ...)."""
-    try:
-        return tuple(a.name for a in op._schema.arguments
-                     if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
-    except AttributeError:
-        return ()
+    """Names of the keyword-only arguments ``op`` writes into (``out``, ``values``/``indices``, ...): its entry's."""
+    return registry.entry(op).written
 
 
 def returns_kind(op, out) -> str:
@@ -366,11 +345,11 @@ def _propagate(schema: OpSchema) -> OutputSharding:
         ok = True
         return out
     finally:
-        op = schema.op
-        misses[op] += 1
-        miss_seconds[op] += time.perf_counter() - t0
+        e = registry.entry(schema.op)  # the op's cache-miss counters (shardprop.debug.stats reads them)
+        e.misses += 1
+        e.miss_seconds += time.perf_counter() - t0
         if ok:
-            inserted[op] += 1
+            e.inserted += 1
 
 
 def propagate_uncached(schema: OpSchema) -> OutputSharding:
@@ -396,7 +375,8 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool 
         if s.mesh != mesh:
             raise MeshMismatchError(f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
                                 "redistribute them onto one mesh first")
-    rule = registry.lookup(op)
+    entry = registry.entry(op)
+    rule = entry.rule
     if rule is None:
         if not _settings.fallback_to_replicate:
             raise ShardingError(
@@ -434,7 +414,7 @@ def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool 
         if j >= len(out_pl) or out_pl[j] is None or any(p is None for p in out_pl[j]):
             raise ShardingError(f"{where}: gives no placement for output {j}")
         out_specs.append(DTensorSpec(mesh, _normalize_out(out_pl[j], len(meta.shape), where), meta))
-    local_call = registry.LOCAL_CALLS.get(op)
+    local_call = entry.local_call
     if returns == "out" and check_out:  # the rule checker asks with check_out=False, then makes out= match
         moved = _check_out(schema, out_specs, where)
         if moved is not None:  # out= laid out otherwise: computed as the result, then redistributed into out
@@ -525,11 +505,19 @@ def cache_clear() -> None:
     cache.fn.cache_clear()
 
 
+def miss_counts() -> dict:
+    """op -> (misses, inserted, seconds spent propagating): the cache-miss counters kept in each op's entry.
+
+    Example:
+        >>> miss_counts().get(aten.mm.default, (0, 0, 0.0))  # doctest: +SKIP
+        (1, 1, 0.0004)
+    """
+    return registry.miss_counts()
+
+
 def reset_miss_counts() -> None:
     """Zero the cache-miss counters (with the cache, by cache_control.clear_cache)."""
-    misses.clear()
-    miss_seconds.clear()
-    inserted.clear()
+    registry.reset_miss_counts()
 
 
 def add_no_rule_hint(hint: Callable[[object], str]) -> None:

@@ -268,7 +268,7 @@ def loss_parallel():
             for op in HANDLERS:
                 prev = _saved.pop(op, None)
                 if prev is None:
-                    _dispatch.unregister_special(op)  # also drops the dispatcher's cached record
+                    _dispatch.unregister_special(op)  # also resets the op's entry (handler, memo, call counter)
                 else:
                     _dispatch.register_special(op, prev)
 
