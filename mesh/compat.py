@@ -178,6 +178,17 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, traced: bool = False) 
         return False
 
 
+def skip_frame(dynamo, code) -> None:
+    """Tell dynamo never to compile frames of ``code`` (``eval_frame.skip_code``; a no-op where absent).
+
+    Example:
+        >>> skip_frame(None, skip_frame.__code__)  # without dynamo: nothing to do
+    """
+    skip = getattr(getattr(dynamo, "eval_frame", None), "skip_code", None)
+    if skip is not None:
+        skip(code)
+
+
 # torch's count of the references to a storage (private; None where absent: never guess "sole owner").
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 

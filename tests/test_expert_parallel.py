@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from tests.closeness import Closeness
 from tests.rankpool import run_on_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,15 +50,7 @@ def _train(steps=3, ac=False, etp=False, compiled=False, bias=False):
         parallelize_module(model.experts, mesh["ep"], ExpertParallel())
         me, n = dist.get_rank(), 4
         ep_group = None
-    errors, checked = [], 0
-
-    def close(name, got, want):
-        nonlocal checked
-        checked += 1
-        try:
-            torch.testing.assert_close(got.detach(), want.detach(), atol=ATOL, rtol=RTOL)
-        except AssertionError as e:
-            errors.append(f"{name}: {str(e).splitlines()[0]}")
+    close = Closeness(ATOL, RTOL)
 
     w1 = model.experts.w1
     if etp:
@@ -117,7 +110,7 @@ def _train(steps=3, ac=False, etp=False, compiled=False, bias=False):
         for name, p in model.named_parameters():
             got = p.full_tensor() if name.startswith("experts.") else p
             close(f"step {step} param {name}", got, ref_params[name])
-    return errors, checked, counts
+    return close.errors, close.checked, counts
 
 
 @pytest.mark.parametrize("ac,etp,compiled,bias", [(False, False, False, False), (True, False, False, False),

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.closeness import Closeness
 from tests.rankpool import run_on_ranks
 
 transformers = pytest.importorskip("transformers", reason="transformers (a test extra) is not installed")
@@ -70,15 +71,7 @@ def _train(kind, shape, names, ac=False):
         with explain() as ex, torch.no_grad():
             model(input_ids=torch.zeros(1, 4, dtype=torch.long))
         moves = [(r.op, [k for _, k, _, _ in r.collectives]) for r in ex.records if r.is_fast_path]
-    errors, checked, losses = [], 0, []
-
-    def close(name, got, want):
-        nonlocal checked
-        checked += 1
-        try:
-            torch.testing.assert_close(got.detach(), want.detach(), atol=ATOL, rtol=RTOL)
-        except AssertionError as e:
-            errors.append(f"{name}: {' '.join(str(e).splitlines()[:4])}")
+    close, losses = Closeness(ATOL, RTOL, lines=4), []
 
     # eps well above float noise: Adam's first step is lr * g / (|g| + eps), so a gradient near zero
     # (1e-9 here, 1.1e-9 there: float rounding) would otherwise move a weight by up to lr either way.
@@ -112,7 +105,7 @@ def _train(kind, shape, names, ac=False):
         opt.zero_grad()
         for name, p in model.named_parameters():
             close(f"step {step} param {name}", p.full_tensor() if isinstance(p, DTensor) else p, ref_params[name])
-    return errors, checked, losses, placements, len(ref_params), comms, moves
+    return close.errors, close.checked, losses, placements, len(ref_params), comms, moves
 
 
 def _check(out, comms, moves=None):

@@ -52,7 +52,9 @@ def expert_swiglu(x, num_tokens_per_expert, w1, w2, w3, grouped_mm=None):
         >>> expert_swiglu(w(3, 4), torch.tensor([1, 2]), w(2, 4, 8), w(2, 8, 4), w(2, 4, 8)).shape
         torch.Size([3, 4])
     """
-    if grouped_mm if grouped_mm is not None else _grouped_mm_fits(x, w1, w2):
+    if grouped_mm is None:
+        grouped_mm = _grouped_mm_fits(x, w1, w2)
+    if grouped_mm:
         # One kernel for all experts: groups of rows cut at the running token counts.
         offs = torch.cumsum(num_tokens_per_expert, 0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)

@@ -131,9 +131,7 @@ def outside_graphs(fn: Callable) -> Callable:
         impl[0] = dynamo.disable(fn)
         # The wrapper's own frame, entered again after the graph break, is not worth compiling
         # (dynamo would recompile it per argument count until its limit, with warnings).
-        skip = getattr(getattr(dynamo, "eval_frame", None), "skip_code", None)
-        if skip is not None:
-            skip(call.__code__)
+        compat.skip_frame(dynamo, call.__code__)
 
     when_dynamo_loads(disable, f"running {getattr(fn, '__qualname__', fn)!s} outside compiled graphs")
 
