@@ -25,6 +25,17 @@ ALLOWED = {
 MAX_LINES = 600
 
 
+def _import_base(node, mod: str, is_pkg: bool) -> str:
+    """The absolute module a ``from ... import`` names, relative imports resolved against ``mod``."""
+    base = node.module or ""
+    if node.level:
+        pkg = mod if is_pkg else mod.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            pkg = pkg.rpartition(".")[0]
+        base = f"{pkg}.{base}" if base else pkg
+    return base
+
+
 def _modules():
     """Import name -> source path of every product module."""
     out = {}
@@ -56,12 +67,7 @@ def import_graph():
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    pkg = mod if is_pkg else mod.rpartition(".")[0]
-                    for _ in range(node.level - 1):
-                        pkg = pkg.rpartition(".")[0]
-                    base = f"{pkg}.{base}" if base else pkg
+                base = _import_base(node, mod, is_pkg)
                 # `from pkg import sub` names the submodule when there is one.
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             for t in targets:
@@ -188,12 +194,7 @@ def _imported_product_names(mod, is_pkg, tree, mods):
                 if _resolve(a.name, mods) not in (None, mod):
                     out[a.asname or a.name.split(".")[0]] = a.name
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = mod if is_pkg else mod.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    pkg = pkg.rpartition(".")[0]
-                base = f"{pkg}.{base}" if base else pkg
+            base = _import_base(node, mod, is_pkg)
             for a in node.names:
                 if _resolve(f"{base}.{a.name}", mods) not in (None, mod):
                     out[a.asname or a.name] = f"{base}.{a.name}"
