@@ -132,8 +132,8 @@ def aten_packets(names: Iterable[str]) -> List:
     """The aten op packets of ``names`` that this torch has, in order.
 
     Example:
-        >>> [p.__name__ for p in aten_packets(["mm", "no_such_op"])]
-        ['aten::mm']
+        >>> [str(p) for p in aten_packets(["mm", "no_such_op"])]
+        ['aten.mm']
     """
     return [p for p in (getattr(_aten, n, None) for n in names) if p is not None]
 
