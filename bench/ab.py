@@ -42,7 +42,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOBS = {"dispatch": 1, "tp4": 4, "dp2xtp2": 4}  # job -> ranks
+# job -> mesh; the TP step jobs are bench/tp.py's MESHES. tp.py is imported only in the ranks, after
+# shardprop: importing it puts this checkout's root first on sys.path.
+MESHES = {"dispatch": (1,), "tp4": (4,), "dp2xtp2": (2, 2)}
 
 
 # ---------------------------------------------------------------- the two trees
@@ -84,50 +86,21 @@ def _dispatch_job():
         cases.append((name, fn, local, dt))
 
     def one_round():
-        return {name: (D._timeit(fn, dt, 500) - D._timeit(fn, local, 500)) * 1e6 for name, fn, local, dt in cases}
+        return {name: [(D._timeit(fn, dt, 500) - D._timeit(fn, local, 500)) * 1e6] for name, fn, local, dt in cases}
     return one_round
 
 
 def _tp_job(shape, steps):
-    import time as _time
-
-    import torch
-    import torch.distributed as dist
-
-    import shardprop
-    from shardprop.demo.model import Llama, LlamaConfig, lm_loss, make_optimizer, synthetic_batch, tp_plan
-    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256, seq_len=32)
-    names = ("tp",) if len(shape) == 1 else ("dp", "tp")
-    mesh = shardprop.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = shardprop.parallelize_module(Llama(cfg, 0), mesh["tp"] if len(shape) == 2 else mesh, tp_plan())
-    sync = shardprop.replicate_gradients(model, mesh, "dp") if len(shape) == 2 else None
-    n, r = (mesh.size(0), mesh.get_local_rank(0)) if len(shape) == 2 else (1, 0)
-    opt = make_optimizer("adamw", model.parameters())
-    state = {"i": 0}
-
-    def step():
-        tokens, targets = synthetic_batch(cfg, 8, state["i"], 0)
-        k = 8 // n
-        loss = lm_loss(model(tokens[r * k:(r + 1) * k]), targets[r * k:(r + 1) * k])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if sync is not None:
-            sync.finish()
-        opt.step()
-        state["i"] += 1
-
-    for _ in range(3):  # warm the caches
-        step()
+    import tp
+    opts = dict(dim=64, layers=2, heads=4, vocab=256, seq=32, batch=8, seed=0)  # bench/tp.py's defaults
+    ours = tp._Contender("ours", tp._cfg(opts), shape, opts)
+    for i in range(3):  # warm the caches
+        ours.step(i)
+    state = {"i": 3}
 
     def one_round():
-        out = []
-        for _ in range(steps):
-            dist.barrier()
-            t0 = _time.perf_counter()
-            step()
-            el = torch.tensor([_time.perf_counter() - t0])
-            dist.all_reduce(el, op=dist.ReduceOp.MAX)
-            out.append(el.item() * 1e3)
+        out = [tp.timed_step(ours, state["i"] + k) for k in range(steps)]
+        state["i"] += steps
         return {"step_ms": out}
     return one_round
 
@@ -140,8 +113,7 @@ def _side(rank, world, job, steps, port, pkg):
     import shardprop
     if not os.path.abspath(shardprop.__file__).startswith(os.path.abspath(pkg) + os.sep):
         raise RuntimeError(f"imported shardprop from {shardprop.__file__}, not from {pkg}")
-    one_round = _dispatch_job() if job == "dispatch" else _tp_job(tuple(
-        int(s) for s in {"tp4": "4", "dp2xtp2": "2x2"}[job].split("x")), steps)
+    one_round = _dispatch_job() if job == "dispatch" else _tp_job(MESHES[job], steps)
     conn = socket.create_connection(("127.0.0.1", port)) if rank == 0 else None
     lines = conn.makefile("rw") if conn else None
     go = torch.zeros(1, dtype=torch.int64)
@@ -162,7 +134,7 @@ def _side(rank, world, job, steps, port, pkg):
 
 def worker(job: str, steps: int, port: int, pkg: str) -> None:
     from _launch import launch
-    launch(_side, JOBS[job], job, steps, port, pkg, timeout_s=3600)
+    launch(_side, math.prod(MESHES[job]), job, steps, port, pkg, timeout_s=3600)
 
 
 # ---------------------------------------------------------------- the coordinator
@@ -208,7 +180,7 @@ def ab(job, pkgs, rounds, steps, flip=False):
         for r in range(rounds):
             for side in (names if r % 2 == 0 else names[::-1]):
                 for metric, v in sides[side].round().items():
-                    samples[side].setdefault(metric, []).extend(v if isinstance(v, list) else [v])
+                    samples[side].setdefault(metric, []).extend(v)
     finally:
         for s in sides.values():
             try:
@@ -271,9 +243,9 @@ def main(argv=None):
     if not args.base:
         ap.error("--base REV is required")
     jobs = args.jobs.split(",")
-    unknown = [j for j in jobs if j not in JOBS]
+    unknown = [j for j in jobs if j not in MESHES]
     if unknown:
-        ap.error(f"unknown jobs {unknown}; known: {sorted(JOBS)}")
+        ap.error(f"unknown jobs {unknown}; known: {sorted(MESHES)}")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardprop-ab-") as d:
         base_tree = export(args.base, os.path.join(d, "base-tree"))

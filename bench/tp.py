@@ -117,14 +117,12 @@ class _Contender:
         self.name, self.cfg, self.batch, self.seed = name, cfg, args["batch"], args["seed"]
         names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
         model = Llama(cfg, self.seed)
-        if name == "ours":
+        if name == "ours":  # public names only: bench/ab.py runs this against older commits too
             import shardprop
-            from shardprop.parallel.dp.data_parallel import replicate_gradients
-            from shardprop.parallel.tp.parallelize import parallelize_module
             mesh = shardprop.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             tp = mesh["tp"] if len(mesh_shape) == 2 else mesh
-            self.model = parallelize_module(model, tp, tp_plan())
-            self.sync = replicate_gradients(self.model, mesh, "dp") if len(mesh_shape) == 2 else None
+            self.model = shardprop.parallelize_module(model, tp, tp_plan())
+            self.sync = shardprop.replicate_gradients(self.model, mesh, "dp") if len(mesh_shape) == 2 else None
             self.dp = (mesh.size(0), mesh.get_local_rank(0)) if len(mesh_shape) == 2 else (1, 0)
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -204,14 +202,19 @@ def time_interleaved(cs, warmup: int, reps: int):
     samples = {name: [] for name in cs}
     for _ in range(reps):
         for name, c in cs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            c.step(step)
-            el = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(el, op=dist.ReduceOp.MAX)
-            samples[name].append(el.item() * 1e3)
+            samples[name].append(timed_step(c, step))
         step += 1
     return samples, step
+
+
+def timed_step(c, i: int) -> float:
+    """``c.step(i)`` after a barrier: its time in ms, the max over ranks."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    c.step(i)
+    el = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(el, op=dist.ReduceOp.MAX)
+    return el.item() * 1e3
 
 
 def bench_ranks(rank, world, args):
