@@ -26,6 +26,8 @@ from shardprop.mesh.transport import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
 
 _all_gather_flat = compat.all_gather_flat
+# Every public collective runs beneath the user's dispatch modes (why: compat.beneath_dispatch_modes).
+_beneath_modes = compat.beneath_dispatch_modes
 _reduce_scatter_flat = compat.reduce_scatter_flat
 
 _REDUCE_OPS = {
@@ -219,6 +221,7 @@ def _done(out: torch.Tensor, async_op: bool, finish=None, shape=None):
     return finish(out) if finish is not None else out
 
 
+@_beneath_modes
 def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False, finish=None,
                finish_shape=None, pooled: bool = True) -> torch.Tensor:
     """Gather equal-sized pieces along dim 0 into one new contiguous tensor.
@@ -252,6 +255,7 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     return _finish(out, work, async_op, finish, finish_shape)
 
 
+@_beneath_modes
 def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_op: bool = False, finish=None,
                    finish_shape=None) -> torch.Tensor:
     """Reduce one contiguous input across ranks and keep this rank's dim-0 piece.
@@ -285,6 +289,7 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
     return _finish(out, work, async_op, _then(_avg(n) if op == "avg" else None, finish), finish_shape)
 
 
+@_beneath_modes
 def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_op: bool = False,
                inplace: bool = False) -> torch.Tensor:
     """All-reduce; into a fresh tensor unless ``inplace`` (when the caller owns ``t``).
@@ -340,6 +345,7 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     return _finish(out, work, async_op, _avg(n) if op == "avg" else None)
 
 
+@_beneath_modes
 def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Optional[Sequence[int]] = None,
                input_split_sizes: Optional[Sequence[int]] = None, *, out: Optional[torch.Tensor] = None,
                async_op: bool = False, finish=None, finish_shape=None, views=None) -> torch.Tensor:
@@ -408,6 +414,7 @@ def views_usable(t: torch.Tensor, mesh, dims: MeshDims) -> bool:
     return direct.usable(t, n) and not staging.forced()  # forced staging: as a CUDA tensor would go
 
 
+@_beneath_modes
 def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: bool = False) -> torch.Tensor:
     """Broadcast ``t`` from index ``src`` of the group (in place on ``t``).
 
@@ -427,6 +434,7 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     return _finish(t, work, async_op)
 
 
+@_beneath_modes
 def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *,
             async_op: bool = False) -> torch.Tensor:
     """Scatter equal-sized ``chunks`` (given on the source only) into ``out`` on every rank.
@@ -473,6 +481,7 @@ def _coalesced(kind: str, pairs, group, issue, async_op: bool, result: torch.Ten
     return result
 
 
+@_beneath_modes
 def all_gather_into_views(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], result: torch.Tensor,
                           mesh, dims: MeshDims, *, async_op: bool = False) -> torch.Tensor:
     """One all-gather of several dim-0 pieces, each into its own output view (counted as one collective).
@@ -527,6 +536,7 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+@_beneath_modes
 def send_recv(sends: Sequence[Tuple[torch.Tensor, int, int]], recvs: Sequence[Tuple[torch.Tensor, int, int]], group,
               result: torch.Tensor, *, async_op: bool = False, finish=None, finish_shape=None,
               keep: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:

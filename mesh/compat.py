@@ -192,6 +192,61 @@ def skip_frame(dynamo, code) -> None:
 # torch's count of the references to a storage (private; None where absent: never guess "sole owner").
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
+
+def storage_unshared(t: torch.Tensor) -> bool:
+    """Whether no other tensor shares ``t``'s memory: no view, no ``detach()`` alias, no copy that a
+    selective-checkpoint policy or autograd saved. Only then may shardprop write into ``t`` in place.
+
+    Python references to ``t`` itself are the caller's to rule out; where torch cannot count
+    (the private count is absent), the answer is False: never guess "sole owner".
+
+    Example:
+        >>> t = torch.ones(3); storage_unshared(t)
+        True
+        >>> alias = t.detach(); storage_unshared(t)
+        False
+    """
+    if storage_use_count is None or t._base is not None:
+        return False
+    # ``t``'s own reference and the storage object made here.
+    return storage_use_count(t.untyped_storage()._cdata) == 2
+
+
+# Dispatch modes (torch's selective activation checkpointing, a user's TorchDispatchMode) see the aten
+# ops run outside any __torch_dispatch__. shardprop's transport (collectives, redistribution programs)
+# runs beneath them, as everything inside DTensor dispatch already does: a mode then sees the same ops
+# on the engine path and on a fast path (the compute, not the plumbing), and a checkpoint policy can
+# neither cache and replay a collective or a write into one of our buffers (replayed, it would leave
+# the buffer unwritten) nor count our internal copies. Tracing modes (fake, proxy, functional) still see
+# everything: torch.compile must record the collectives.
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_INFRA_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
+                    if hasattr(torch._C._TorchDispatchModeKey, k))
+_get_infra_mode = torch._C._get_dispatch_mode
+
+
+def _tracing_mode_active() -> bool:
+    return any(_get_infra_mode(k) is not None for k in _INFRA_KEYS)
+
+
+def beneath_dispatch_modes(fn):
+    """``fn`` run with the user's dispatch modes set aside (none active: called as is, one C call).
+
+    Example:
+        >>> run = beneath_dispatch_modes(torch.add)
+        >>> run(torch.ones(1), 1)
+        tensor([2.])
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    @functools.wraps(fn)
+    def beneath(*args, **kwargs):
+        if not _dispatch_stack_len() or _tracing_mode_active():
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+    return beneath
+
 # The fused CPU attention kernel and its backward (ring attention's per-block compute); None where absent.
 cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 cpu_flash_attention_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)

@@ -144,14 +144,11 @@ def _sole_owner(dt) -> bool:
     if _storage_use_count is None or dt._view_base is not None:
         return False
     local = dt._local_tensor
-    if type(local) is not torch.Tensor or local.requires_grad or local._base is not None:
+    if type(local) is not torch.Tensor or local.requires_grad:
         return False
     if sys.getrefcount(local) != 3:  # dt's attribute, this frame's name, getrefcount's argument
         return False
-    storage = local.untyped_storage()
-    # ``local`` and ``storage`` (this frame's handle; torch keeps one Python object per storage,
-    # so where the buffer pool keeps this memory ``storage`` is the pool's handle, counted once).
-    return _storage_use_count(storage._cdata) == 2
+    return compat.storage_unshared(local)  # the fast paths hand tensors over on the same test
 
 
 def _handed_over(dt) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from shardprop.mesh.transport import buffer_pool
 from shardprop.mesh import collectives as C
+from shardprop.mesh import compat
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import permute
 from shardprop.tensor.layout import chunk_bounds
@@ -75,6 +76,9 @@ def prepare(src, plan, in_shape) -> Program:
     steps, moves = tuple(steps), tuple(moves)
     # The common one-step program is its step itself: running it costs one call.
     call = steps[0] if len(steps) == 1 else _chain(steps, moves)
+    # Beneath the user's dispatch modes, as the collectives: a selective-checkpoint policy sees the
+    # compute around a redistribution, never its copies into our buffers (compat.beneath_dispatch_modes).
+    call = compat.beneath_dispatch_modes(call)
     # A torch.Size: comparing it with a local tensor's shape is one C-level tuple comparison.
     return Program(src, torch.Size(in_shape), steps, moves, wants, call)
 

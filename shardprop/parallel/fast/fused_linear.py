@@ -45,6 +45,7 @@ from torch import nn
 
 from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh import collectives as C
+from shardprop.mesh import compat
 from shardprop.parallel.fast.autograd_apply import direct_apply
 from shardprop.parallel.fast.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
@@ -121,11 +122,16 @@ class _CopyIn(torch.autograd.Function):
 
 
 class _ReduceOut(torch.autograd.Function):
-    """All-reduce forward, in place (the matmul output is a temporary); identity backward."""
+    """All-reduce forward, in place when nothing else shares the matmul output's memory; identity backward.
+
+    Shared memory is not a rare case: a selective activation-checkpoint policy that saves matmuls keeps
+    an alias of the ``mm`` output, and writing the sum into it would replay the sum, not the partial
+    value, in the recomputation (then reduce it again). The engine hands a tensor over on the same test.
+    """
 
     @staticmethod
     def forward(ctx, y, mesh):
-        out = C.all_reduce(y, mesh, _MESH_DIM, inplace=True)
+        out = C.all_reduce(y, mesh, _MESH_DIM, inplace=compat.storage_unshared(y))
         if out is y:  # in place (eager c10d); a traced (functional) all-reduce returns a new tensor
             ctx.mark_dirty(y)
         return out
