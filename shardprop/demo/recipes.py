@@ -49,11 +49,13 @@ class Checkpointed(nn.Module):
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
-def apply_ac(model: nn.Module, mode: Optional[str]) -> nn.Module:
+def apply_ac(model: nn.Module, mode: Optional[str], context_fn=None) -> nn.Module:
     """Checkpoint each block of ``model.layers`` as ``mode`` says (None: nothing); returns ``model``.
 
     ``inner`` checkpoints the attention and feed-forward sub-layers inside each block's own
     forward (the block stays the unit ``fully_shard`` sees); the other modes wrap the block.
+    ``selective`` takes ``context_fn`` (a new pair of selective-checkpoint contexts per call, as
+    ``torch.utils.checkpoint`` wants) or saves matmul outputs by default.
 
     Example:
         >>> apply_ac(model, "selective")  # doctest: +SKIP
@@ -71,7 +73,7 @@ def apply_ac(model: nn.Module, mode: Optional[str]) -> nn.Module:
         elif mode == "reentrant":
             model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.REENTRANT)
         elif mode == "selective":
-            ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            ctx = context_fn or functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
             model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=ctx)
         else:
             model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
