@@ -306,3 +306,42 @@ def dynamo_traces_redistribute_of(cls: type) -> None:
 
     method_redistribute.steps_aside_for = cls
     TensorVariable.method_redistribute = method_redistribute
+
+
+def dynamo_answers_hasattr_of(cls: type) -> None:
+    """Let ``hasattr(x, "to_local")`` (and ``getattr`` with a default) on ``cls`` instances answer inside
+    compiled code as in eager.
+
+    dynamo models a tensor's method as a generic attribute and answers ``hasattr`` False for every method
+    of a tensor subclass (torch's own DTensor included), so duck-typed user code (``hasattr(t,
+    "full_tensor")``) takes its other branch under ``torch.compile`` only. For ``cls`` alone, a name the
+    class defines (a method, property or class attribute: read statically, never run) answers True, guarded
+    on the type; every other tensor and name keeps dynamo's own answer.
+
+    Example:
+        >>> dynamo_answers_hasattr_of(DTensor)  # doctest: +SKIP
+    """
+    import inspect
+
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = TensorVariable.__dict__.get("call_obj_hasattr")
+    if original is None or getattr(original, "answers_for", None) is not None:
+        return
+
+    def call_obj_hasattr(self, tx, name):
+        typ = self.python_type()
+        if isinstance(typ, type) and issubclass(typ, cls):
+            try:
+                inspect.getattr_static(typ, name)
+            except AttributeError:
+                return original(self, tx, name)
+            from torch._dynamo.guards import GuardBuilder, install_guard
+            from torch._dynamo.variables.constant import ConstantVariable
+            if self.source:
+                install_guard(self.source.make_guard(GuardBuilder.TYPE_MATCH))
+            return ConstantVariable.create(True)
+        return original(self, tx, name)
+
+    call_obj_hasattr.answers_for = cls
+    TensorVariable.call_obj_hasattr = call_obj_hasattr

@@ -192,7 +192,10 @@ class _Run:
             _ac_and_compile(self.model, recipe)
         _hook_parameters(self.model, recipe)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+        # bf16: SGD, so a rounding difference in a gradient stays a rounding difference in the parameter
+        # (AdamW's normalised step turns the sign of a near-zero gradient into a whole step of lr).
+        self.opt = torch.optim.SGD(params, lr=0.1) if recipe["dtype"] == "bf16" else \
+            torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
     def _parallelize(self):
         import shardprop as P

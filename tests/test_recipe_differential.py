@@ -30,8 +30,8 @@ st = hypothesis.strategies
 
 _LARGE = bool(os.environ.get("SHARDPROP_RELEASE") or os.environ.get("SHARDPROP_SLOW"))
 SAMPLE, LARGE = 6, 36
-FP32_ATOL, BF16_ATOL = 1e-4, 3e-2   # against one process (bf16: a different summation order rounds differently)
-PATHS_ATOL = {"fp32": 1e-5, "bf16": 1e-2}  # fast paths on against off
+FP32_ATOL, BF16_ATOL = 1e-4, 1e-3   # against one process (bf16 trains with SGD: see recipe_space)
+PATHS_ATOL = {"fp32": 1e-5, "bf16": 1e-4}  # fast paths on against off
 
 
 def _recipe_strategy():
@@ -84,7 +84,7 @@ def _cases():
 
 
 def _max_diff(a: dict, b: dict) -> float:
-    return max((float((a[n].float() - b[n].float()).abs().max()) for n in a if a[n].numel()), default=0.0)
+    return max((float((a[n].detach().float() - b[n].detach().float()).abs().max()) for n in a if a[n].numel()), default=0.0)
 
 
 def _reference(recipe):

@@ -505,3 +505,5 @@ def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
 compile_support.allow_in_graph(FromLocal, ToLocal, Redistribute, RedistributeCast)
 compile_support.when_dynamo_loads(lambda dynamo: compat.dynamo_traces_redistribute_of(_dt.DTensor),
                                   "letting dynamo trace DTensor.redistribute")
+compile_support.when_dynamo_loads(lambda dynamo: compat.dynamo_answers_hasattr_of(_dt.DTensor),
+                                  "letting hasattr of DTensor methods answer inside compiled code as in eager")

@@ -1,0 +1,81 @@
+"""Duck typing of DTensor parameters inside compiled modules answers as in eager.
+
+User code often asks a tensor what it is (``hasattr(w, "full_tensor")``, ``getattr(w, "to_local", None)``)
+instead of importing DTensor. dynamo answers ``hasattr`` False for every method of a tensor subclass
+(torch's own DTensor too), so such code took its plain-tensor branch only when compiled. Here every
+public method and property is asked about, in eager and under ``torch.compile(fullgraph=True)``, on
+parameters of modules under each of our styles' hooks (column- and row-parallel, sequence-parallel
+norm, expert parallel, ``fully_shard``, a plain ``distribute_tensor``), and the branch the answer picks
+(``w.to_local()`` / ``w.full_tensor()`` inside the graph) must compute what eager computes.
+"""
+import pytest
+import torch
+
+from tests.rankpool import run_on_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+NAMES = ("to_local", "full_tensor", "redistribute", "placements", "device_mesh", "from_local")
+
+
+def _answers(w):
+    """What user code may ask of a parameter, and a value that depends on the branch it takes."""
+    flags = [hasattr(w, n) for n in NAMES] + [getattr(w, "to_local", None) is not None, hasattr(w, "no_such_method")]
+    value = w.full_tensor().sum() if hasattr(w, "full_tensor") else w.sum()
+    local = w.to_local().sum() if hasattr(w, "to_local") else w.sum()
+    return flags, value, local
+
+
+class _Probe(torch.nn.Module):
+    """Runs ``inner`` and reports what duck typing says about ``param`` (a dotted name into ``inner``)."""
+
+    def __init__(self, inner, param: str):
+        super().__init__()
+        self.inner, self.param = inner, param
+
+    def forward(self, x):
+        w = self.inner.get_parameter(self.param)
+        flags, value, local = _answers(w)
+        out = self.inner(x)
+        return out, flags, value, local
+
+
+def _case(style: str):
+    import shardprop as P
+    from shardprop.demo.moe import MoE
+    torch.manual_seed(0)
+    mesh = P.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    if style == "expert":
+        inner, param, x = MoE(dim=8, hidden=8, num_experts=4, top_k=2), "experts.w1", torch.randn(2, 3, 8)
+        P.parallelize_module(inner.experts, mesh, P.ExpertParallel())
+    elif style == "sequence_norm":
+        inner, param, x = torch.nn.RMSNorm(8), "weight", torch.randn(2, 4, 8)
+        P.parallelize_module(inner, mesh, P.SequenceParallel())
+    else:
+        inner, param, x = torch.nn.Sequential(torch.nn.Linear(8, 8)), "0.weight", torch.randn(4, 8)
+        if style == "rowwise":
+            x = torch.randn(4, 4)  # this rank's piece of the input features (the style's Shard(-1) input)
+        if style in ("colwise", "rowwise"):
+            P.parallelize_module(inner, mesh, {"0": P.ColwiseParallel() if style == "colwise" else P.RowwiseParallel()})
+        elif style == "fully_shard":
+            P.fully_shard(inner, mesh=mesh)
+        else:  # parameters and input distributed by hand, no module hooks
+            for name in ("weight", "bias"):
+                value = getattr(inner[0], name).detach()
+                setattr(inner[0], name, torch.nn.Parameter(P.distribute_tensor(value, mesh, [P.Shard(0)])))
+            x = P.distribute_tensor(x, mesh, [P.Replicate()])
+    probe = _Probe(inner, param)
+    eager = probe(x)
+    torch._dynamo.reset()
+    # Expert routing reads split sizes on the host, and fully_shard's hooks are eager (as torch's): both run
+    # outside the graph (a graph break there).
+    compiled = torch.compile(probe, backend="aot_eager", fullgraph=style not in ("expert", "fully_shard"))(x)
+    return eager[1], compiled[1], float(eager[2]), float(compiled[2]), float(eager[3]), float(compiled[3])
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise", "sequence_norm", "expert", "fully_shard", "distributed"])
+def test_hasattr_of_dtensor_methods_answers_as_in_eager_under_compile(style):
+    for eager, compiled, value, cvalue, local, clocal in run_on_ranks(2, _case, style):
+        assert eager[:-1] == [True] * (len(NAMES) + 1) and eager[-1] is False, eager
+        assert compiled == eager, dict(zip(NAMES + ("getattr", "no_such_method"), compiled))
+        assert cvalue == pytest.approx(value, rel=1e-5) and clocal == pytest.approx(local, rel=1e-5)
