@@ -159,6 +159,8 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         self.mesh = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
         if self.mesh.ndim == 0:
             self.mesh = self.mesh.reshape(1)
+        self.ndim: int = self.mesh.ndim
+        self.shape: Tuple[int, ...] = tuple(self.mesh.shape)
         self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
         self._validate()
         # The mesh this one was sliced from (None for a root mesh): fully_shard combines a
@@ -365,15 +367,10 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
 
     # ---- shape ----------------------------------------------------------------
-    @property
-    def ndim(self) -> int:
-        """Number of mesh dims."""
-        return self.mesh.ndim
-
-    @property
-    def shape(self) -> Tuple[int, ...]:
-        """Mesh shape, e.g. ``(2, 2)``."""
-        return tuple(self.mesh.shape)
+    # ``ndim`` (number of mesh dims) and ``shape`` (e.g. ``(2, 2)``) are plain attributes set in __init__,
+    # not properties: dynamo cannot read a property of a mesh inside compiled code (it walks the class
+    # for a source it does not have: "cls_source must not be None for MRO walk"), so ``mesh.size(0)``,
+    # ``mesh.ndim`` or ``mesh.get_local_rank()`` in a compiled forward failed where eager worked.
 
     def size(self, dim: Optional[DimRef] = None) -> int:
         """Number of ranks in the mesh, or along one mesh dim.

@@ -1,4 +1,4 @@
-"""Duck typing of DTensor parameters inside compiled modules answers as in eager.
+"""Duck typing of DTensor parameters, and mesh reads, inside compiled modules answer as in eager.
 
 User code often asks a tensor what it is (``hasattr(w, "full_tensor")``, ``getattr(w, "to_local", None)``)
 instead of importing DTensor. dynamo answers ``hasattr`` False for every method of a tensor subclass
@@ -6,7 +6,9 @@ instead of importing DTensor. dynamo answers ``hasattr`` False for every method 
 public method and property is asked about, in eager and under ``torch.compile(fullgraph=True)``, on
 parameters of modules under each of our styles' hooks (column- and row-parallel, sequence-parallel
 norm, expert parallel, ``fully_shard``, a plain ``distribute_tensor``), and the branch the answer picks
-(``w.to_local()`` / ``w.full_tensor()`` inside the graph) must compute what eager computes.
+(``w.to_local()`` / ``w.full_tensor()`` inside the graph) must compute what eager computes. A module
+holding a mesh reads ``size``, ``ndim``, ``shape``, ``get_local_rank`` and ``get_coordinate`` in a
+``fullgraph=True`` forward, on a root mesh and on a slice.
 """
 import pytest
 import torch
@@ -79,3 +81,47 @@ def test_hasattr_of_dtensor_methods_answers_as_in_eager_under_compile(style):
         assert eager[:-1] == [True] * (len(NAMES) + 1) and eager[-1] is False, eager
         assert compiled == eager, dict(zip(NAMES + ("getattr", "no_such_method"), compiled))
         assert cvalue == pytest.approx(value, rel=1e-5) and clocal == pytest.approx(local, rel=1e-5)
+
+
+# ---------------------------------------------------------------- mesh methods inside compiled code
+_MESH_READS = {
+    "size()": lambda m: m.size(), "size(0)": lambda m: m.size(0), "size('tp')": lambda m: m.size("tp"),
+    "ndim": lambda m: m.ndim, "shape[-1]": lambda m: m.shape[-1], "get_local_rank()": lambda m: m.get_local_rank(),
+    "get_local_rank('tp')": lambda m: m.get_local_rank("tp"), "get_coordinate()[1]": lambda m: m.get_coordinate()[1],
+}
+
+
+class _MeshReader(torch.nn.Module):
+    """A module holding a mesh and reading it in its forward (torchtitan's sharding helpers do)."""
+
+    def __init__(self, mesh, read):
+        super().__init__()
+        self.mesh, self.read = mesh, read
+
+    def forward(self, x):
+        return x * self.read(self.mesh) + 1
+
+
+def _mesh_reads():
+    import shardprop as P
+    mesh = P.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for name, read in _MESH_READS.items():
+        for which, m in (("root", mesh), ("slice", mesh["tp"])):
+            if which == "slice" and name == "get_coordinate()[1]":
+                continue  # a 1-d slice has one coordinate
+            x = torch.ones(2)
+            torch._dynamo.reset()
+            try:
+                got = torch.compile(_MeshReader(m, read), backend="aot_eager", fullgraph=True)(x)
+                out[f"{which}.{name}"] = (float(_MeshReader(m, read)(x)[0]), float(got[0]))
+            except Exception as e:  # noqa: BLE001 (reported per read)
+                out[f"{which}.{name}"] = (float(_MeshReader(m, read)(x)[0]), f"{type(e).__name__}: {e}"[:200])
+    return out
+
+
+def test_mesh_methods_read_inside_compiled_code_as_in_eager():
+    for reads in run_on_ranks(4, _mesh_reads):
+        wrong = {k: v for k, v in reads.items() if v[0] != v[1]}
+        assert not wrong, wrong
+        assert len(reads) >= 14
