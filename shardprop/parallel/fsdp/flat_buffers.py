@@ -29,7 +29,9 @@ from typing import List, Optional
 
 import torch
 
+from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.layout import chunk_bounds
+from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 # ParamSlot.dim of a parameter kept whole on every dp rank (a column-parallel bias on 2-D meshes:
 # tp already splits its only dim). Its slot holds the whole tensor; its gradient is averaged by
@@ -130,6 +132,24 @@ class UnitBuffers:
         """``s``'s piece in a shard-shaped buffer: padded (``length=None``) or its first ``length`` rows."""
         piece = buf[s.shard_off:s.shard_off + s.slot_numel].view(s.piece_shape)
         return piece if length is None else piece.narrow(s.dim, 0, length)
+
+    def hold_piece(self, s: ParamSlot, piece: torch.Tensor) -> torch.Tensor:
+        """Make ``s``'s slot hold ``piece`` (this rank's piece, unpadded) and return the slot's view of it."""
+        s.local_view = self.slot_view(s, self.shard, s.local_len)
+        with torch.no_grad():
+            s.local_view.copy_(piece)
+        return s.local_view
+
+    def full_param(self, s: ParamSlot) -> torch.nn.Parameter:
+        """The leaf ``s``'s module computes with: a view of the full buffer (a DTensor on the tp mesh on 2-D)."""
+        full = self.full_view(s)
+        if s.tp_spec is None:
+            return torch.nn.Parameter(full, requires_grad=s.requires_grad)
+        t = s.tp_spec
+        spec = DTensorSpec(t.mesh, t.placements, TensorMeta(t.shape, t.tensor_meta.stride, full.dtype))
+        param = torch.nn.Parameter(DTensor(full, spec), requires_grad=s.requires_grad)
+        param._local_tensor = full
+        return param
 
     # ---- full buffer ----------------------------------------------------------------
     @property

@@ -41,7 +41,6 @@ from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Replicate, Shard
-from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 _DEFAULT_MESHES: Dict[str, object] = {}
 _POST_FORWARD_MESHES: Dict[tuple, object] = {}
@@ -308,26 +307,15 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bo
         device = _compute_device(dp_mesh, offload, sources[0])
         buffers = UnitBuffers(slots, orig, compute.pop(), mp_policy.grad_reduce_dtype(orig), device,
                               shard_device=torch.device("cpu") if offload else None, pin_memory=pin)
-        with torch.no_grad():
-            for s, src, spec in zip(slots, sources, specs):
-                if s.dim == REPLICATED:
-                    s.local_view = buffers.slot_view(s, buffers.shard)
-                    s.local_view.copy_(src)
-                else:
-                    off, n = chunk_bounds(src.shape[s.dim], D, me)
-                    s.local_view = buffers.slot_view(s, buffers.shard, n)
-                    s.local_view.copy_(src.narrow(s.dim, off, n))
-                s.sharded = nn.Parameter(DTensor(s.local_view, spec), requires_grad=s.requires_grad)
-                s.sharded._local_tensor = s.local_view
-                full = buffers.full_view(s)
-                if s.tp_spec is not None:
-                    fspec = DTensorSpec(s.tp_spec.mesh, s.tp_spec.placements,
-                                        TensorMeta(s.tp_spec.shape, s.tp_spec.tensor_meta.stride, full.dtype))
-                    s.full_param = nn.Parameter(DTensor(full, fspec), requires_grad=s.requires_grad)
-                    s.full_param._local_tensor = full
-                else:
-                    s.full_param = nn.Parameter(full, requires_grad=s.requires_grad)
-                s.module._parameters[s.name] = s.sharded
+        for s, src, spec in zip(slots, sources, specs):
+            if s.dim != REPLICATED:
+                off, n = chunk_bounds(src.shape[s.dim], D, me)
+                src = src.narrow(s.dim, off, n)
+            local = buffers.hold_piece(s, src)
+            s.sharded = nn.Parameter(DTensor(local, spec), requires_grad=s.requires_grad)
+            s.sharded._local_tensor = local
+            s.full_param = buffers.full_param(s)
+            s.module._parameters[s.name] = s.sharded
         buffers.free_full()
     unit = FSDPUnit(module, slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
                     replicate_mesh=rep_mesh, post_forward_mesh=pf_mesh, auto_reshard=raf is None, offload=offload)

@@ -127,7 +127,10 @@ class FSDPUnit:
         self._inputs_done = False  # this backward: the gradients of the unit's inputs are computed
         self._into_views = gather_into_views(dp_mesh) and not offload
         self._async_gather = async_gather(dp_mesh)
-        for s in slots:
+        self._hook_full_params()
+
+    def _hook_full_params(self) -> None:
+        for s in self.slots:
             if s.requires_grad:
                 s.hooks.append(s.full_param.register_post_accumulate_grad_hook(self._grad_ready))
 
@@ -141,13 +144,13 @@ class FSDPUnit:
         """
         if self.buffers is None or self._unsharded or self._gather is not None:
             return
-        b = self.buffers
         if self._group_piece is not None:
             self._gather_from_group = True
             self._gather_input = self._group_piece
             self._gather = C.all_gather(self._group_piece, self.post_forward_mesh, 0, async_op=self._async_gather)
             return
-        self._resync_shards()
+        self._resync_shards()  # may move the buffers (to_empty after fully_shard on meta): read them after
+        b = self.buffers
         shard = b.shard
         if shard.device != b.full.device:  # offloaded: host to device first
             shard = shard.to(b.full.device, non_blocking=True)
@@ -231,13 +234,35 @@ class FSDPUnit:
         self._group_piece = piece
 
     def _resync_shards(self) -> None:
-        """If something rebound a sharded parameter's local tensor, copy it back into its slot."""
+        """If something rebound a sharded parameter's local tensor, copy it back into its slot.
+
+        A rebinding onto another device (``model.to_empty(device=...)`` after ``fully_shard`` on the meta
+        device, as torchtitan builds models; ``model.to(...)``) moves the unit's buffers there first.
+        """
+        b = self.buffers
+        device = self.slots[0].sharded._local_tensor.device
+        if device != b.shard.device and not self.offload:
+            self._move_buffers(device)
         for s in self.slots:
             local = s.sharded._local_tensor
             if local.data_ptr() != s.local_view.data_ptr() or local.shape != s.local_view.shape:
                 with torch.no_grad():
                     s.local_view.copy_(local)
                 s.sharded._local_tensor = s.local_view
+
+    def _move_buffers(self, device: torch.device) -> None:
+        """New shard and full buffers on ``device``, holding the parameters' (rebound) local tensors;
+        new full parameters over them (the hooks move along)."""
+        old = self.buffers
+        self.buffers = UnitBuffers(self.slots, old.shard.dtype, old.compute_dtype, old.reduce_dtype, device)
+        for s in self.slots:
+            s.sharded._local_tensor = self.buffers.hold_piece(s, s.sharded._local_tensor)
+            for h in s.hooks:
+                h.remove()
+            s.hooks.clear()
+            s.full_param = self.buffers.full_param(s)
+        self.buffers.free_full()
+        self._hook_full_params()
 
     # ---- parameter swap --------------------------------------------------------------
     def swap_in(self) -> None:
