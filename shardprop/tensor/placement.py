@@ -113,6 +113,37 @@ def partial_fill(placements, coord):
     return fill
 
 
+def as_placement(p):
+    """``p`` as one of our placements: ours as they are, torch's (or ``spmd_types``') by their shape, else None.
+
+    Programs written for torch build placements with torch's classes (``torch.distributed.tensor.Shard(0)``),
+    and packages such as ``spmd_types`` hand out torch's objects too. They are recognised by duck typing
+    (the methods every torch placement has, and ``dim`` / ``reduce_op``), never by importing torch's module.
+
+    Example:
+        >>> class TorchShard:  # a stand-in with torch's Shard's shape
+        ...     dim = 1
+        ...     def is_shard(self, dim=None): return True
+        >>> as_placement(TorchShard()), as_placement(Replicate()), as_placement("S(0)")
+        (S(1), R, None)
+    """
+    if isinstance(p, Placement):
+        return p
+    try:
+        if getattr(p, "split_factor", None) not in (None, 1):  # torch's _StridedShard: not ours to relabel
+            return None
+        if callable(getattr(p, "is_shard", None)) and p.is_shard():
+            return Shard(int(p.dim))
+        if callable(getattr(p, "is_replicate", None)) and p.is_replicate():
+            return Replicate()
+        if callable(getattr(p, "is_partial", None)) and p.is_partial():
+            op = getattr(p, "reduce_op", "sum")
+            return Partial(getattr(op, "name", op).lower() if not isinstance(op, str) else op)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return None
+
+
 def normalize_placements(placements, ndim: int, mesh_ndim: int, where: str = "placements") -> tuple:
     """Check a placement list against a tensor rank and mesh; make shard dims non-negative.
 
@@ -125,9 +156,10 @@ def normalize_placements(placements, ndim: int, mesh_ndim: int, where: str = "pl
         raise ValueError(f"{where}: {len(placements)} placements {list(placements)} for a {mesh_ndim}-d mesh; "
                          f"give one placement per mesh dim")
     out = []
-    for p in placements:
-        if not isinstance(p, Placement):
-            raise TypeError(f"{where}: {p!r} is not a placement (use Shard(d), Replicate() or Partial())")
+    for given in placements:
+        p = as_placement(given)
+        if p is None:
+            raise TypeError(f"{where}: {given!r} is not a placement (use Shard(d), Replicate() or Partial())")
         if isinstance(p, Shard):
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"{where}: {p!r} is out of range for a {ndim}-d tensor")

@@ -40,7 +40,7 @@ from shardprop.parallel.fsdp.unit import FSDPUnit
 from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Replicate, Shard
+from shardprop.tensor.placement import Replicate, Shard, as_placement
 
 _DEFAULT_MESHES: Dict[str, object] = {}
 _POST_FORWARD_MESHES: Dict[tuple, object] = {}
@@ -147,9 +147,15 @@ def _managed_params(module: nn.Module, ignored: Set[int]):
     return out
 
 
+def _chosen(fn, p):
+    """What ``shard_placement_fn`` returns for ``p``, torch's placements taken as ours (None: the default)."""
+    pl = fn(p) if fn is not None else None
+    return pl if pl is None else (as_placement(pl) or pl)
+
+
 def _placement_dim(fn, fqn: str, p, D: int) -> int:
     """The dim ``shard_placement_fn`` picks for a plain parameter (0 when it returns None)."""
-    pl = fn(p) if fn is not None else None
+    pl = _chosen(fn, p)
     if pl is None:
         return 0
     if type(pl) is not Shard:
@@ -196,7 +202,7 @@ def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int) -> None:
     is exactly the layout chosen here, so it is accepted; any other dim would need a placement
     shardprop does not have (strided shards), and is refused.
     """
-    pl = fn(p) if fn is not None else None
+    pl = _chosen(fn, p)
     if pl is None:
         return
     d = pl.dim + p.ndim if type(pl) is Shard and pl.dim < 0 else getattr(pl, "dim", None)

@@ -41,7 +41,7 @@ from shardprop.parallel.fast.fused_norm import install_norm
 from shardprop.parallel.fast.grad_sync import grad_like
 from shardprop.parallel.param_swap import keep_hooks_on_swap
 from shardprop.tensor.dtensor import DTensor
-from shardprop.tensor.placement import Placement, Replicate, Shard, normalize_placements
+from shardprop.tensor.placement import Placement, Replicate, Shard, as_placement, normalize_placements
 
 R = Replicate()
 
@@ -97,7 +97,17 @@ def _maybe_local(x, use_local_output: bool):
 
 
 def _as_tuple(v) -> tuple:
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    return tuple(_ours(x) for x in v) if isinstance(v, (tuple, list)) else (_ours(v),)
+
+
+def _ours(layout):
+    """A style's layout as our placement: torch's placements (a program written for torch) are taken by shape."""
+    if layout is None:
+        return None
+    p = as_placement(layout)
+    if p is None:
+        raise TypeError(f"parallel style: {layout!r} is not a placement (use Shard(d), Replicate() or Partial())")
+    return p
 
 
 def distribute_params(module: nn.Module, mesh, placement_of, src_data_rank: Optional[int] = 0) -> None:
@@ -187,8 +197,8 @@ class _LinearStyle(ParallelStyle):
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
                  use_local_output: bool = True):
-        self.input_layouts = input_layouts
-        self.output_layouts = output_layouts
+        self.input_layouts = _ours(input_layouts)
+        self.output_layouts = _ours(output_layouts)
         self.use_local_output = use_local_output
 
     # (param placements, default input layout, desired input, raw output layout) per module kind
@@ -388,8 +398,8 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_input_layouts = _as_tuple(desired_input_layouts) if desired_input_layouts is not None else None
         if self.input_layouts is not None:
             _check_pairs(self.input_layouts, self.desired_input_layouts or (), "PrepareModuleInput")
-        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
-        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        self.input_kwarg_layouts = {k: _ours(v) for k, v in (input_kwarg_layouts or {}).items()}
+        self.desired_input_kwarg_layouts = {k: _ours(v) for k, v in (desired_input_kwarg_layouts or {}).items()}
         if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
             raise ValueError("PrepareModuleInput: input_kwarg_layouts and desired_input_kwarg_layouts must name "
                              "the same keyword inputs")
