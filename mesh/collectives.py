@@ -13,8 +13,7 @@ issues collectives for tensor data, so the counter sees all of them.
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,8 @@ from shardprop.mesh import compat
 from shardprop.mesh.config import values as _settings
 from shardprop.mesh.transport import direct_collectives as direct
 from shardprop.mesh.async_tensor import AsyncTensor, wait_all
+# Counting lives beside: every collective issued here is counted while a counter is active.
+from shardprop.mesh.comm_count import CommCounter, comm_counter, count as _count, state as _state  # noqa: F401
 
 _all_gather_flat = compat.all_gather_flat
 # Every public collective runs beneath the user's dispatch modes (why: compat.beneath_dispatch_modes).
@@ -39,83 +40,6 @@ _REDUCE_OPS = {
 }
 
 MeshDims = Union[int, str, Tuple[int, ...]]
-
-# The counters now active (a nested counter counts too); empty means "count nothing".
-
-
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("counters",)
-
-
-_state = _State()
-_state.counters = ()
-
-
-class CommCounter:
-    """Collectives issued while active: ``counts`` maps kind -> (count, bytes).
-
-    ``bytes`` is the size of the tensor this rank hands to the collective (its input:
-    the local piece for all_gather, the full input for reduce_scatter and all_to_all,
-    the tensor for all_reduce and broadcast) or, for scatter, of the piece it receives.
-    It is a payload size, not the wire traffic of a particular algorithm.
-
-    Example:
-        >>> with comm_counter() as c:  # doctest: +SKIP
-        ...     y = x.redistribute(placements=[Replicate()])
-        >>> c.counts  # doctest: +SKIP
-        {'all_gather': (1, 4096)}
-    """
-
-    def __init__(self) -> None:
-        self.counts: Dict[str, Tuple[int, int]] = {}
-        # (kind, group size) -> (count, bytes); group size 0 where unknown (point-to-point messages)
-        self.by_group: Dict[Tuple[str, int], Tuple[int, int]] = {}
-
-    def add(self, kind: str, nbytes: int, group_size: int = 0) -> None:
-        n, b = self.counts.get(kind, (0, 0))
-        self.counts[kind] = (n + 1, b + nbytes)
-        n, b = self.by_group.get((kind, group_size), (0, 0))
-        self.by_group[(kind, group_size)] = (n + 1, b + nbytes)
-
-    @property
-    def total(self) -> Tuple[int, int]:
-        """(collectives, bytes) over all kinds."""
-        return (sum(n for n, _ in self.counts.values()), sum(b for _, b in self.counts.values()))
-
-    def reset(self) -> None:
-        self.counts.clear()
-        self.by_group.clear()
-
-    def __repr__(self) -> str:
-        body = ", ".join(f"{k}: {n} ({b} B)" for k, (n, b) in sorted(self.counts.items()))
-        return f"CommCounter({body or 'none'})"
-
-
-@contextmanager
-def comm_counter(counter: Optional[CommCounter] = None) -> Iterator[CommCounter]:
-    """Count the collectives shardprop issues inside the ``with`` block (into ``counter`` if given).
-
-    Example:
-        >>> with comm_counter() as c:  # doctest: +SKIP
-        ...     loss = model(x).sum(); loss.backward()
-        >>> c.counts  # {kind: (count, bytes)}  # doctest: +SKIP
-        {'all_reduce': (3, 12288), 'all_gather': (2, 8192)}
-    """
-    c = CommCounter() if counter is None else counter
-    _state.counters = _state.counters + (c,)
-    try:
-        yield c
-    finally:
-        _state.counters = tuple(x for x in _state.counters if x is not c)
-
-
-def _count(kind: str, t: torch.Tensor, group_size: int = 0) -> None:
-    nbytes = t.numel() * t.element_size()
-    for c in _state.counters:
-        c.add(kind, nbytes, group_size)
-
 
 def resolve(mesh, dims: MeshDims):
     """(group, ranks of this rank's group, group size) along ``dims`` of ``mesh``.
