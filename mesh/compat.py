@@ -189,6 +189,18 @@ def skip_frame(dynamo, code) -> None:
         skip(code)
 
 
+def group_by_name(name: str):
+    """The process group torch registered under ``name`` (private in every release; a clear error where absent).
+
+    Example:
+        >>> group_by_name(dist.group.WORLD.group_name)  # doctest: +SKIP
+    """
+    resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
+    if resolve is None:
+        raise NotImplementedError("this torch cannot look a process group up by name; pass the group itself")
+    return resolve(name)
+
+
 # torch's count of the references to a storage (private; None where absent: never guess "sole owner").
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 

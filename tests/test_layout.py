@@ -21,6 +21,7 @@ ALLOWED = {
     "shardprop.checkpoint": {"shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
     "shardprop.debug": {"shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
     "shardprop.demo": {"shardprop", "shardprop.mesh"},
+    "shardprop.interop": {"shardprop", "shardprop.mesh"},
 }
 MAX_LINES = 600
 

@@ -1,0 +1,16 @@
+"""Programs written for torch's DTensor stack, run on shardprop: the names they import and how they are redirected.
+
+``shardprop.launch`` runs a program with :func:`redirect_torch_imports` on; :mod:`torch_names` is the table of
+what each redirected torch module gives.
+
+Example:
+    >>> from shardprop.interop import redirect_torch_imports
+    >>> with redirect_torch_imports():
+    ...     from torch.distributed.fsdp import fully_shard
+    >>> fully_shard is __import__("shardprop").fully_shard
+    True
+"""
+from shardprop.interop.redirect import install, redirect_torch_imports, uninstall
+from shardprop.interop.torch_names import TABLE, describe
+
+__all__ = ["install", "uninstall", "redirect_torch_imports", "TABLE", "describe"]
