@@ -165,6 +165,12 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, traced: bool = False) 
         >>> isinstance(grouped_mm_runs("cpu", torch.float32), bool)
         True
     """
+    # The probe runs once per process, beneath the dispatch modes: a selective-checkpoint policy that saw
+    # its ops in a forward but not in the recomputation (cached by then) would find the two sequences differ.
+    return beneath_dispatch_modes(_grouped_mm_probe)(device_type, dtype, traced)
+
+
+def _grouped_mm_probe(device_type: str, dtype: torch.dtype, traced: bool) -> bool:
     fn = getattr(torch, "_grouped_mm", None)
     if fn is None or (device_type == "cuda" and not torch.cuda.is_available()):
         return False

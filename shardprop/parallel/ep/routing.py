@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from shardprop.mesh import collectives
+from shardprop.mesh import collectives, compat
 from shardprop.mesh.uneven_all_to_all import all_to_all_uneven, exchange_splits
 
 # Reasons a rank's own arguments are refused (every rank prints the reason of the rank at fault).
@@ -93,6 +93,10 @@ def _regroup_order(received: torch.Tensor, device) -> Optional[torch.Tensor]:
     return (torch.repeat_interleave(run_starts, lengths) + offsets).to(device)
 
 
+# Routing is a redistribution: like every collective and redistribution program it runs beneath the user's
+# dispatch modes (compat.beneath_dispatch_modes), so a selective-checkpoint policy neither caches its
+# buffers (which it then writes into) nor replays its exchanges.
+@compat.beneath_dispatch_modes
 def dispatch(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, mesh, dim, num_experts: int, *,
              width: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, Route]:
     """Send this rank's tokens (sorted by expert) to the ranks holding their experts.
@@ -126,6 +130,7 @@ def dispatch(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, mesh, dim, nu
     return routed, local_counts, Route(mesh, dim, input_splits, output_splits, received, order, x.device)
 
 
+@compat.beneath_dispatch_modes
 def combine(y: torch.Tensor, route: Route) -> torch.Tensor:
     """The experts' outputs back to the ranks (and the order) their tokens came from.
 
