@@ -15,6 +15,10 @@ What it found: TP without sequence parallelism + selective AC saving matmuls tra
 fast paths on (the row-parallel all-reduce wrote the sum into the ``mm`` output the policy had saved;
 the recomputation replayed the sum and reduced it again). Fixed at the mechanism: shardprop writes in
 place only into memory no other tensor shares, and its transport runs beneath the dispatch modes.
+Then two loud failures under policies that save every op but matmuls: expert-parallel routing wrote into
+buffers the policy had cached ("Tensor cached during selective activation checkpoint has been mutated"),
+and the grouped-mm probe ran in the first forward but not in its recomputation (torch's CheckpointError,
+in one process too). Both now run beneath the dispatch modes.
 """
 import os
 import random
