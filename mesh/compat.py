@@ -281,22 +281,27 @@ except ImportError:
         OpaqueValueBase = object
 
 
-def register_opaque_value(cls: type) -> None:
+def register_opaque_value(cls: type, read_members=()) -> None:
     """Let instances of ``cls`` be constants in compiled graphs, guarded by ``==``, named by ``__fx_repr__``.
 
-    Raises whatever this torch raises when it cannot (callers decide how loud to be).
+    ``read_members`` (attributes and methods that only read the object) are evaluated on the real object
+    while tracing and baked in: 2.11's dynamo refuses any member not registered so ("Member 'size' is not
+    registered for this opaque object type"), later releases inline them. Raises whatever this torch
+    raises when it cannot (callers decide how loud to be).
 
     Example:
-        >>> register_opaque_value(DeviceMesh)  # doctest: +SKIP
+        >>> register_opaque_value(DeviceMesh, ("size", "ndim"))  # doctest: +SKIP
     """
     from torch._library import opaque_object
 
+    use_real = getattr(getattr(opaque_object, "MemberType", None), "USE_REAL", None)
+    members = {name: use_real for name in read_members} if use_real is not None else None
     register_custom_class = getattr(opaque_object, "register_custom_class", None)
     if register_custom_class is not None:  # 2.14+: "value" is now "constant" (the old names warn)
         if not opaque_object.is_custom_class(cls):
-            register_custom_class(cls, typ="constant")
+            register_custom_class(cls, typ="constant", members=members)
     elif not opaque_object.is_opaque_type(cls):
-        opaque_object.register_opaque_type(cls, typ="value")
+        opaque_object.register_opaque_type(cls, typ="value", members=members)
 
 
 def dynamo_traces_redistribute_of(cls: type) -> None:

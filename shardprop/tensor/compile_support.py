@@ -80,9 +80,15 @@ def allow_in_graph(*fns) -> None:
     when_dynamo_loads(register, "allow_in_graph(" + ", ".join(getattr(f, "__name__", "?") for f in fns) + ")")
 
 
+# What compiled user code reads of a mesh (torchtitan's helpers call mesh.size(0) in compiled blocks): read on
+# the real mesh while tracing, baked in as constants (the mesh itself is a guarded constant).
+_MESH_READS = ("size", "ndim", "shape", "get_local_rank", "get_coordinate", "get_rank", "mesh_dim_names",
+               "device_type", "dim_index")
+
+
 def _register_mesh(dynamo) -> None:
     from shardprop.mesh.device_mesh import DeviceMesh
-    compat.register_opaque_value(DeviceMesh)
+    compat.register_opaque_value(DeviceMesh, _MESH_READS)
 
 
 def _run(fn: Callable, what: str, dynamo) -> None:
