@@ -25,7 +25,8 @@ from shardprop.parallel.cp.context_parallel import context_parallel, context_par
 from shardprop.parallel.dp.data_parallel import GradientReducer, compute_bucket_assignment_by_size, replicate_gradients
 from shardprop.parallel.ep import ExpertLoad, ExpertParallel, ExpertTensorParallel, expert_load
 from shardprop.parallel.ep.hf_experts import HFExperts
-from shardprop.parallel.fsdp.api import CPUOffloadPolicy, GradientReductionHandle, OffloadPolicy, UnshardHandle
+from shardprop.parallel.fsdp.api import (
+    CPUOffloadPolicy, DataParallelMeshDims, GradientReductionHandle, OffloadPolicy, UnshardHandle)
 from shardprop.parallel.fsdp.module import register_fsdp_forward_method, share_comm_ctx
 from shardprop.parallel.fsdp.fully_shard import FSDPModule, fully_shard
 from shardprop.parallel.local_map import local_map
@@ -58,7 +59,7 @@ __all__ = [
     "MixedPrecisionPolicy", "set_optimizer_foreach_default",
     # FSDP2's remaining public names (torch.distributed.fsdp), beside fully_shard / FSDPModule / MixedPrecisionPolicy.
     "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle", "register_fsdp_forward_method",
-    "share_comm_ctx",
+    "share_comm_ctx", "DataParallelMeshDims",
     "zeros", "ones", "empty", "full", "rand", "randn", "linspace", "logspace",
     "local_map", "implicit_replication", "PrepareModuleInputOutput",
     "context_parallel", "context_parallel_unshard",

@@ -104,10 +104,12 @@ def _offload():
     return out
 
 
-def test_module_list_is_refused_clearly():
-    import shardprop
-    with pytest.raises(NotImplementedError, match="list of modules"):
-        shardprop.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])
+def test_an_empty_or_odd_module_list_is_refused_clearly():
+    import shardprop  # a list of modules is one unit (tests/test_fsdp_groups.py); an empty one is an error
+    with pytest.raises(ValueError, match="list of modules"):
+        shardprop.fully_shard([])
+    with pytest.raises(ValueError, match="list of modules"):
+        shardprop.fully_shard([nn.Linear(2, 2), "not a module"])
 
 
 def test_cpu_offload_on_a_cpu_mesh():

@@ -7,6 +7,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,43 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def _names(value) -> Tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Which named dims of a whole (SPMD) mesh are data parallel, for ``fully_shard(dp_mesh_dims=...)``.
+
+    ``shard``: the dim name(s) fully_shard shards parameters over (several are taken as
+    one flattened dim); ``replicate``: the HSDP replica dim name(s). At least one must be
+    given. The other dims of the mesh (e.g. ``"tp"``) keep the parameters' own placements.
+
+    Example:
+        >>> DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate").shard_names
+        ('dp_shard',)
+    """
+
+    shard: Optional[Union[str, Tuple[str, ...]]] = None
+    replicate: Optional[Union[str, Tuple[str, ...]]] = None
+
+    def __post_init__(self):
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims: give shard= or replicate= (or both)")
+
+    @property
+    def shard_names(self) -> Tuple[str, ...]:
+        """The shard dim names as a tuple (empty if none)."""
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> Tuple[str, ...]:
+        """The replicate dim names as a tuple (empty if none)."""
+        return _names(self.replicate)
 
 
 class UnshardHandle:
@@ -76,4 +114,4 @@ class GradientReductionHandle:
             state.wait_for_gradients()
 
 
-__all__ = ["OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle"]
+__all__ = ["DataParallelMeshDims", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle", "GradientReductionHandle"]

@@ -59,6 +59,15 @@ class ParamSlot:
     local_view: Optional[torch.Tensor] = None   # this rank's piece, a view of the shard buffer
     tp_spec: object = None                # 2-D: spec of the tp-local full tensor as a DTensor on the tp mesh
     hooks: list = field(default_factory=list)
+    # Mesh dims of ``tp_spec`` whose gradient placement is taken as it comes (dp_mesh_dims: the dp
+    # dims, where a Partial gradient is this rank's contribution to the reduce-scatter).
+    keep_dims: tuple = ()
+    # Other (module, name) owners of the same parameter (tied weights in one unit): swapped along.
+    aliases: list = field(default_factory=list)
+
+    def owners(self):
+        """Every (module, name) that registers this parameter."""
+        return [(self.module, self.name)] + self.aliases
 
     @property
     def chunk(self) -> int:

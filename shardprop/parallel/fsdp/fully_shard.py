@@ -27,14 +27,15 @@ over it and then all-reduced across replicas. The module hooks live in
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Optional, Set, Union
+from typing import Callable, Dict, List, Optional, Set, Union
 
 import torch
 import torch.nn as nn
 
 from shardprop.parallel.fsdp.flat_buffers import REPLICATED, ParamSlot, UnitBuffers
-from shardprop.parallel.fsdp.api import CPUOffloadPolicy, OffloadPolicy
+from shardprop.parallel.fsdp.api import CPUOffloadPolicy, DataParallelMeshDims, OffloadPolicy
 from shardprop.parallel.fsdp.hooks import post_forward, pre_forward
+from shardprop.parallel.fsdp.mesh_info import check_spmd_param, plan_dp_mesh_dims
 from shardprop.parallel.fsdp.module import FSDPModule
 from shardprop.parallel.fsdp.unit import FSDPUnit
 from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -124,38 +125,76 @@ def _post_forward_mesh(shard_mesh, n: int):
     return _POST_FORWARD_MESHES[key]
 
 
-def _managed_params(module: nn.Module, ignored: Set[int]):
-    """(owner, name, fqn, param) for each parameter of ``module`` not managed by a nested unit nor ignored."""
-    out, seen = [], set()
-
-    def visit(m, prefix):
-        if m is not module and getattr(m, "_fsdp_unit", None) is not None:
-            return
-        for name, p in m._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            if id(p) in seen:
-                raise NotImplementedError(f"fully_shard: parameter {prefix + name!r} is shared (tied) with another "
-                                          f"module in the same unit; tied parameters are not supported")
-            seen.add(id(p))
-            out.append((m, name, prefix + name, p))
-        for cname, child in m._modules.items():
-            if child is not None:
-                visit(child, prefix + cname + ".")
-
-    visit(module, "")
+def _root_modules(module) -> List[nn.Module]:
+    """The modules of one unit: ``module``, or the listed ones not inside another listed one (as torch)."""
+    if not isinstance(module, (list, tuple)):
+        return [module]
+    mods = list(module)
+    if not mods or not all(isinstance(m, nn.Module) for m in mods):
+        raise ValueError(f"fully_shard: a list of modules must hold at least one module, and only modules; "
+                         f"got {[type(m).__name__ for m in mods]}")
+    out = []
+    for m in mods:
+        inside = any(o is not m and any(d is m for d in o.modules()) for o in mods)
+        if not inside and not any(o is m for o in out):
+            out.append(m)
     return out
 
 
-def _chosen(fn, p):
-    """What ``shard_placement_fn`` returns for ``p``, torch's placements taken as ours (None: the default)."""
+def _managed_params(roots: List[nn.Module], ignored: Set[int]):
+    """(owner, name, fqn, param, aliases) for each parameter of ``roots`` not managed by a nested unit nor ignored.
+
+    A parameter registered in several places (tied weights, e.g. an embedding and an output
+    projection in one ``fully_shard([...])``) is one entry; its other (module, name) places are
+    its ``aliases``, swapped along with it.
+    """
+    out, at, visited = [], {}, set()
+
+    def visit(m, prefix, root):
+        if m is not root and getattr(m, "_fsdp_unit", None) is not None:
+            return
+        if id(m) in visited:
+            return
+        visited.add(id(m))
+        for name, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            if id(p) in at:
+                out[at[id(p)]][4].append((m, name))
+                continue
+            at[id(p)] = len(out)
+            out.append((m, name, prefix + name, p, []))
+        for cname, child in m._modules.items():
+            if child is not None:
+                visit(child, prefix + cname + ".", root)
+
+    for i, root in enumerate(roots):
+        visit(root, "" if len(roots) == 1 else f"[{i}].", root)
+    return out
+
+
+def _chosen(fn, p, dp_mesh=None):
+    """What ``shard_placement_fn`` returns for ``p``, torch's placements taken as ours (None: the default).
+
+    A ``ShardPlacementResult`` (placement and mesh info) is taken when its mesh is the unit's shard mesh.
+    """
     pl = fn(p) if fn is not None else None
+    if pl is not None and hasattr(pl, "mesh_info") and hasattr(pl, "placement"):
+        info = pl.mesh_info
+        mesh = getattr(info, "mesh", None)
+        shard = mesh[mesh.mesh_dim_names[info.shard_mesh_dim]] if mesh is not None and mesh.ndim > 1 else mesh
+        if dp_mesh is not None and shard != dp_mesh:
+            raise NotImplementedError(f"fully_shard: shard_placement_fn returned a ShardPlacementResult on {mesh}, "
+                                      f"another mesh than the unit's ({dp_mesh}); a parameter mesh per parameter "
+                                      f"(experts on their own mesh) needs its own fully_shard call in shardprop")
+        pl = pl.placement
     return pl if pl is None else (as_placement(pl) or pl)
 
 
-def _placement_dim(fn, fqn: str, p, D: int) -> int:
+def _placement_dim(fn, fqn: str, p, D: int, dp_mesh=None, local=None) -> int:
     """The dim ``shard_placement_fn`` picks for a plain parameter (0 when it returns None)."""
-    pl = _chosen(fn, p)
+    pl = _chosen(fn, p, dp_mesh)
+    p = p if local is None else local
     if pl is None:
         return 0
     if type(pl) is not Shard:
@@ -184,6 +223,11 @@ def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
                          f"('dp', 'tp') mesh")
     dp_name, tp_name = dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]
     (tp_pl,) = p._spec.placements
+    return parent, parent.mesh_dim_names.index(dp_name), tp_pl, _dp_dim_beside(fqn, p, tp_pl, tp_name)
+
+
+def _dp_dim_beside(fqn: str, p, tp_pl, tp_name: str) -> int:
+    """The tensor dim dp splits of a parameter placed ``tp_pl`` on the tp dim (REPLICATED: none)."""
     if tp_pl.is_partial():
         raise NotImplementedError(f"fully_shard: parameter {fqn!r} is Partial on {tp_name!r}")
     dim = 0
@@ -192,17 +236,17 @@ def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
         # none). dp splits dim 1 of a column-parallel weight instead ([S(1) on dp, S(0) on tp] is
         # exact); a 1-d one (a bias) stays whole on every dp rank ([R on dp, S(0) on tp]).
         dim = 1 if p.ndim >= 2 else REPLICATED
-    return parent, parent.mesh_dim_names.index(dp_name), tp_pl, dim
+    return dim
 
 
-def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int) -> None:
+def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int, dp_mesh=None) -> None:
     """``shard_placement_fn`` on a DTensor parameter may only name the dim dp splits anyway.
 
     Why: torchtitan passes ``lambda p: Shard(1)`` for experts already ``Shard(0)`` over ep; that
     is exactly the layout chosen here, so it is accepted; any other dim would need a placement
     shardprop does not have (strided shards), and is refused.
     """
-    pl = _chosen(fn, p)
+    pl = _chosen(fn, p, dp_mesh)
     if pl is None:
         return
     d = pl.dim + p.ndim if type(pl) is Shard and pl.dim < 0 else getattr(pl, "dim", None)
@@ -221,11 +265,44 @@ def _compute_device(mesh, offload: bool, first):
     return torch.device(mesh.device_type, accel.current_device())
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bool, int, None] = None,
+def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
+    """(local tensor to shard, dim dp splits, sharded spec, spec of the full DTensor or None, dims kept in grads)."""
+    D = dp_mesh.size()
+    if plan is not None:
+        check_spmd_param(fqn, p, plan)
+    if isinstance(p, DTensor) and (plan is None or plan.other):
+        if plan is None:
+            parent, dp_at, tp_pl, sdim = _two_d_layout(fqn, p, dp_mesh)
+        else:  # dp_mesh_dims: the parameter lives on the whole (dp, tp) mesh, Replicate on dp
+            parent, dp_at = plan.spmd_mesh, plan.shard_dim
+            tp_pl = p._spec.placements[plan.other[0]]
+            sdim = _dp_dim_beside(fqn, p, tp_pl, plan.spmd_mesh.mesh_dim_names[plan.other[0]])
+        _check_fixed_dim(fn, fqn, p, sdim, dp_mesh)
+        local = p._local_tensor.detach()
+        if sdim > 0 and local.shape[sdim] % D:
+            raise NotImplementedError(f"fully_shard: parameter {fqn!r}: its tp-local dim {sdim} "
+                                      f"({local.shape[sdim]}) must divide by dp={D}")
+        placements = [None, None]
+        placements[dp_at], placements[1 - dp_at] = (Shard(sdim) if sdim != REPLICATED else Replicate()), tp_pl
+        keep = plan.dp_dims if plan is not None else ()
+        return local, sdim, make_spec(parent, placements, p.shape, dtype=p.dtype), p._spec, keep
+    full_spec, keep = None, ()
+    if isinstance(p, DTensor):  # dp_mesh_dims, data-parallel dims only: Replicate everywhere, local = whole
+        local, full_spec, keep = p._local_tensor.detach(), p._spec, plan.dp_dims
+    else:
+        local = p.detach()
+    sdim = _placement_dim(fn, fqn, p, D, dp_mesh, local)
+    placements = [Shard(sdim)] if rep_mesh is None else [Replicate(), Shard(sdim)]
+    return local, sdim, make_spec(spec_mesh, placements, p.shape, dtype=p.dtype), full_spec, keep
+
+
+def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
+                reshard_after_forward: Union[bool, int, None] = None,
                 shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Optional[Set[nn.Parameter]] = None, dim=None) -> nn.Module:
+                ignored_params: Optional[Set[nn.Parameter]] = None,
+                dp_mesh_dims: Optional[DataParallelMeshDims] = None, dim=None):
     """Shard ``module``'s parameters over the dp mesh dim; gather them around its forward and backward.
 
     Apply it to each block first, then to the root (a unit owns the parameters not
@@ -239,22 +316,37 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bo
     dim. ``ignored_params`` stay as they are (not sharded, gradients not reduced).
     After backward, ``param.grad`` holds the dp-averaged gradient's shard.
 
+    A list of modules is one unit (one all-gather, one reduce-scatter): gathered before
+    the first of them runs, resharded once all of them ran (or when the root's forward
+    ends); each becomes an FSDPModule, and the list is returned. ``dp_mesh_dims``
+    (:class:`DataParallelMeshDims`) names the data-parallel dims of ``mesh``, a whole mesh
+    the parameters are DTensors on, Replicate on those dims (see
+    :func:`shardprop.parallel.fsdp.mesh_info.plan_dp_mesh_dims` for what is supported).
+
     Example:
         >>> for block in model.layers:  # doctest: +SKIP
         ...     fully_shard(block, mesh=mesh["dp"])
+        >>> fully_shard([model.norm, model.output], mesh=mesh["dp"])  # doctest: +SKIP
         >>> fully_shard(model, mesh=mesh["dp"])  # doctest: +SKIP
         >>> loss = model(x_local).mean(); loss.backward(); opt.step()  # doctest: +SKIP
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard: a list of modules as one group (torch 2.15's fully_shard([a, b])) is "
-                                  "not supported; wrap a module that holds them, or each of them")
-    if getattr(module, "_fsdp_unit", None) is not None:
-        raise ValueError(f"fully_shard: {type(module).__name__} is already fully_shard-ed; wrap each module once")
+    roots = _root_modules(module)
+    for m in roots:
+        if getattr(m, "_fsdp_unit", None) is not None:
+            raise ValueError(f"fully_shard: {type(m).__name__} is already fully_shard-ed; wrap each module once")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-    first = next(module.parameters(), None)
+    plan = None
+    if dp_mesh_dims is not None:
+        if mesh is None or dim is not None:
+            raise ValueError("fully_shard: dp_mesh_dims needs mesh= (the whole mesh) and no dim=")
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError("fully_shard: reshard_after_forward as an int with dp_mesh_dims (as in torch)")
+        plan = plan_dp_mesh_dims(mesh, dp_mesh_dims)
+        mesh = plan.fsdp_mesh
+    first = next((p for m in roots for p in m.parameters()), None)
     spec_mesh, dp_mesh, rep_mesh = _resolve_meshes(mesh, dim, first.device.type if first is not None else "cpu")
     if dp_mesh._coord is None:
         raise RuntimeError(f"fully_shard: this rank is not in the dp mesh {dp_mesh}")
@@ -268,42 +360,28 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bo
     raf = _normalize_reshard(reshard_after_forward, D)
     pf_mesh = _post_forward_mesh(dp_mesh, raf) if not isinstance(raf, bool) and raf is not None else None
     ignored = {id(p) for p in (ignored_params or ())}
-    params = _managed_params(module, ignored)
-    meshes = {p._spec.mesh for *_, p in params if isinstance(p, DTensor)}
+    params = _managed_params(roots, ignored)
+    names = "+".join(type(m).__name__ for m in roots)
+    meshes = {p._spec.mesh for *_, p, _ in params if isinstance(p, DTensor)}
     if len(meshes) > 1:
-        raise ValueError(f"fully_shard: the parameters of {type(module).__name__} live on different meshes "
+        raise ValueError(f"fully_shard: the parameters of {names} live on different meshes "
                          f"{sorted(map(repr, meshes))}; one unit's parameters must share one mesh")
-    if meshes and rep_mesh is not None:
+    if meshes and rep_mesh is not None and plan is None:
         raise NotImplementedError("fully_shard: HSDP (a 2-d mesh) over DTensor (tensor-parallel) parameters; "
                                   "pass the dp dim's mesh, e.g. mesh=mesh['dp']")
     slots, sources, specs = [], [], []
-    for m, name, fqn, p in params:
+    for m, name, fqn, p, aliases in params:
         if p.ndim == 0:
             raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
-        if isinstance(p, DTensor):
-            parent, dp_at, tp_pl, sdim = _two_d_layout(fqn, p, dp_mesh)
-            _check_fixed_dim(shard_placement_fn, fqn, p, sdim)
-            local = p._local_tensor.detach()
-            if sdim > 0 and local.shape[sdim] % D:
-                raise NotImplementedError(f"fully_shard: parameter {fqn!r}: its tp-local dim {sdim} "
-                                          f"({local.shape[sdim]}) must divide by dp={D}")
-            placements = [None, None]
-            placements[dp_at], placements[1 - dp_at] = (Shard(sdim) if sdim != REPLICATED else Replicate()), tp_pl
-            spec = make_spec(parent, placements, p.shape, dtype=p.dtype)
-            tp_spec = p._spec
-        else:
-            local, tp_spec = p.detach(), None
-            sdim = _placement_dim(shard_placement_fn, fqn, p, D)
-            placements = [Shard(sdim)] if rep_mesh is None else [Replicate(), Shard(sdim)]
-            spec = make_spec(spec_mesh, placements, p.shape, dtype=p.dtype)
+        local, sdim, spec, tp_spec, keep = _layout(fqn, p, shard_placement_fn, dp_mesh, spec_mesh, rep_mesh, plan)
         slots.append(ParamSlot(m, name, fqn, None, local.shape, sdim, D, me, p.dtype, p.requires_grad,
-                               tp_spec=tp_spec))
+                               tp_spec=tp_spec, keep_dims=tuple(keep), aliases=aliases))
         sources.append(local)
         specs.append(spec)
     dtypes = {s.orig_dtype for s in slots}
     if len(dtypes) > 1:
         raise NotImplementedError(f"fully_shard: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
-    compute = {mp_policy.param_compute_dtype(p) for *_, p in params}
+    compute = {mp_policy.param_compute_dtype(p) for *_, p, _ in params}
     if len(compute) > 1:  # one flat gather per unit: one dtype
         raise NotImplementedError(f"fully_shard: param_dtype_override_fn gives the parameters of one unit several "
                                   f"compute dtypes {sorted(map(str, compute))}; shard them as separate units")
@@ -321,13 +399,15 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Union[bo
             s.sharded = nn.Parameter(DTensor(local, spec), requires_grad=s.requires_grad)
             s.sharded._local_tensor = local
             s.full_param = buffers.full_param(s)
-            s.module._parameters[s.name] = s.sharded
+            for owner, pname in s.owners():
+                owner._parameters[pname] = s.sharded
         buffers.free_full()
-    unit = FSDPUnit(module, slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
+    unit = FSDPUnit(tuple(roots), slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
                     replicate_mesh=rep_mesh, post_forward_mesh=pf_mesh, auto_reshard=raf is None, offload=offload)
-    module._fsdp_unit = unit
-    cls = module.__class__
-    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.register_forward_pre_hook(pre_forward, with_kwargs=True)
-    module.register_forward_hook(post_forward, with_kwargs=True)
+    for m in roots:
+        m._fsdp_unit = unit
+        cls = m.__class__
+        m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.register_forward_pre_hook(pre_forward, with_kwargs=True)
+        m.register_forward_hook(post_forward, with_kwargs=True)
     return module

@@ -25,13 +25,22 @@ from shardprop.tensor.compile_support import outside_graphs
 from shardprop.tensor.dtensor import DTensor
 
 
-def units_under(module: nn.Module) -> List[FSDPUnit]:
-    """The fully_shard units of ``module`` and its submodules, in module order.
+def units_under(*modules: nn.Module) -> List[FSDPUnit]:
+    """The fully_shard units of ``modules`` and their submodules, in module order, each once.
+
+    A unit of ``fully_shard([a, b])`` belongs to both modules: it is counted once.
 
     Example:
-        >>> [u.module for u in units_under(model)]  # blocks first, the root last  # doctest: +SKIP
+        >>> [u.module for u in units_under(model)]  # the root first, then the blocks  # doctest: +SKIP
     """
-    return [m._fsdp_unit for m in module.modules() if getattr(m, "_fsdp_unit", None) is not None]
+    out, seen = [], set()
+    for module in modules:
+        for m in module.modules():
+            unit = getattr(m, "_fsdp_unit", None)
+            if unit is not None and id(unit) not in seen:
+                seen.add(id(unit))
+                out.append(unit)
+    return out
 
 
 class RootState:
@@ -39,7 +48,8 @@ class RootState:
 
     def __init__(self, root: FSDPUnit) -> None:
         self.root = root
-        self.units = units_under(root.module)
+        self.units = units_under(*root.modules)
+        self.entry = None  # the module whose forward began this root's forward: its end ends the root's
         self.order: List[FSDPUnit] = []        # forward (pre-forward) order seen in the last iteration
         self.post_order: List[FSDPUnit] = []   # order in which forwards ended: backward runs it in reverse
         self._recording: List[FSDPUnit] = []
@@ -140,16 +150,25 @@ def pre_forward(module, args, kwargs):
         unit.wait_unsharded()
         unit.swap_in()
         return _cast_inputs(unit, args, kwargs)
+    first = not unit.to_run  # the first of the unit's modules to run in this pass (a group has several)
+    if first:
+        unit.to_run = {id(m) for m in unit.modules}
+        unit.pass_token = [False]  # one pre-backward per pass, whichever output's gradient comes first
     if _state.active_root is None:  # the outermost unit of this forward is the root
         state = root_state_of(unit)
         for u in state.units:
             u.is_root = u is unit
             u._owner_state = state
         _state.active_root = state
+        state.entry = module
         state._recording = []
         state._post_recording = []
         state.in_forward = True
     state = _state.active_root
+    if not first:  # a later module of a group: the parameters are in (gathered again if someone resharded)
+        unit.wait_unsharded()
+        unit.swap_in()
+        return _cast_inputs(unit, args, kwargs)
     state._recording.append(unit)
     unit.wait_unsharded()
     for nxt in state.next_in_forward(unit):
@@ -172,6 +191,20 @@ def post_forward(module, args, kwargs, output):
     if in_backward():  # a recomputation: backward keeps the parameters until the unit's gradients are in
         return _cast_output(unit, output)
     state = _state.active_root
+    unit.to_run.discard(id(module))
+    if unit.to_run:  # a group with modules still to run: its parameters stay gathered for them
+        if torch.is_grad_enabled():
+            _register_pre_backward(unit, state, output)
+    else:
+        _complete_forward(unit, state, output)
+    if state is not None and state.root is unit and state.entry is module:
+        _end_root_forward(state, output)
+    return _cast_output(unit, output)
+
+
+def _complete_forward(unit: FSDPUnit, state, output) -> None:
+    """Every module of the unit ran (or the root's forward ended): sharded parameters back, reshard."""
+    unit.to_run.clear()
     unit.swap_out()
     grad = torch.is_grad_enabled()
     is_root = state is not None and state.root is unit
@@ -184,15 +217,19 @@ def post_forward(module, args, kwargs, output):
         unit.reshard_to_group()  # an int: keep a 1/raf piece, re-gathered in backward within its group
     if state is not None:
         state._post_recording.append(unit)
-    if is_root:
-        state.order, state.post_order = state._recording, state._post_recording
-        state.in_forward = False
-        _state.active_root = None
     if grad:
         _register_pre_backward(unit, state, output)
-    return _cast_output(unit, output)
 
 
+def _end_root_forward(state: RootState, output) -> None:
+    """The root's forward ended: finish the groups that ran only some of their modules, as torch does
+    (e.g. ``fully_shard([norm, head])`` when the model skips the head for a chunked loss)."""
+    for u in state.units:
+        if u.to_run:
+            _complete_forward(u, state, output)
+    state.order, state.post_order = state._recording, state._post_recording
+    state.in_forward = False
+    _state.active_root = None
 
 
 def _cast_output(unit: FSDPUnit, output):
@@ -213,7 +250,7 @@ def _register_pre_backward(unit: FSDPUnit, state: RootState, output) -> None:
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if not tensors or state is None:
         return
-    fired = [False]
+    fired = unit.pass_token
 
     def hook(grad):
         if fired[0]:
@@ -249,6 +286,7 @@ def reset_iteration(unit: FSDPUnit) -> None:
     state.in_forward = state.callback_queued = False
     state._recording, state._post_recording = [], []
     for u in state.units:
+        u.to_run.clear()
         u.reset()
 
 

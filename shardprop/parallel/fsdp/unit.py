@@ -83,10 +83,14 @@ class FSDPUnit:
         >>> unit.unshard(); unit.wait_unsharded(); unit.swap_in()  # doctest: +SKIP
     """
 
-    def __init__(self, module: torch.nn.Module, slots: List[ParamSlot], buffers: Optional[UnitBuffers], dp_mesh,
+    def __init__(self, module, slots: List[ParamSlot], buffers: Optional[UnitBuffers], dp_mesh,
                  reshard_after_forward, mp_policy, *, replicate_mesh=None, post_forward_mesh=None,
                  auto_reshard: bool = False, offload: bool = False) -> None:
-        self.module = module
+        # ``fully_shard([a, b])``: one unit for several modules (a tuple); ``module`` is the first.
+        self.modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+        self.module = self.modules[0]
+        self.to_run: set = set()    # ids of the modules yet to run forward in this pass
+        self.pass_token = [False]   # shared by the pre-backward hooks of one pass: the first one acts
         self.slots = slots
         self.buffers = buffers
         self.dp_mesh = dp_mesh                  # the shard group: all-gather and reduce-scatter
@@ -268,12 +272,14 @@ class FSDPUnit:
     def swap_in(self) -> None:
         """Point the modules at the full parameters (plain tensors, or DTensors on the tp mesh on 2-D)."""
         for s in self.slots:
-            s.module._parameters[s.name] = s.full_param
+            for m, name in s.owners():
+                m._parameters[name] = s.full_param
 
     def swap_out(self) -> None:
         """Point the modules back at the sharded DTensor parameters."""
         for s in self.slots:
-            s.module._parameters[s.name] = s.sharded
+            for m, name in s.owners():
+                m._parameters[name] = s.sharded
 
     def swap_in_for_backward(self) -> None:
         """Backward reached the unit: the full parameters go back in, for a recomputation (activation
@@ -326,8 +332,10 @@ class FSDPUnit:
         if g is None:
             return None
         if isinstance(g, DTensor):  # 2-D: the tp-local gradient laid out like the parameter on tp
-            if g._spec.placements != s.tp_spec.placements:
-                g = g.redistribute(s.tp_spec.mesh, s.tp_spec.placements)
+            want = tuple(g._spec.placements[i] if i in s.keep_dims else pl
+                         for i, pl in enumerate(s.tp_spec.placements))
+            if tuple(g._spec.placements) != want:
+                g = g.redistribute(s.tp_spec.mesh, want)
             g = wait_all(g._local_tensor)
         return g
 
