@@ -54,11 +54,12 @@ TABLE: Dict[str, Dict[str, str]] = {
     "torch.distributed.tensor.experimental._context_parallel._attention": {"flex_cp_allgather": NOT_PROVIDED},
     "torch.distributed.tensor._random": {"manual_seed": "shardprop:manual_seed"},
     "torch.distributed.device_mesh": _DEVICE_MESH,
-    "torch.distributed.fsdp": {**_FSDP, "DataParallelMeshDims": NOT_PROVIDED},
+    "torch.distributed.fsdp": {**_FSDP, "DataParallelMeshDims": "shardprop.parallel.fsdp:DataParallelMeshDims"},
     "torch.distributed._composable.fsdp": _FSDP,
     "torch.distributed._composable.fsdp.fully_shard": _FSDP,
-    "torch.distributed.fsdp._fully_shard._fsdp_common": {"FSDPMeshInfo": NOT_PROVIDED, "ShardPlacementResult": NOT_PROVIDED},
-    "torch.distributed.fsdp._fully_shard._fsdp_init": {"_get_mesh_info": NOT_PROVIDED},
+    "torch.distributed.fsdp._fully_shard._fsdp_common": {n: f"shardprop.parallel.fsdp:{n}" for n in (
+        "FSDPMeshInfo", "HSDPMeshInfo", "DDPMeshInfo", "DataParallelMeshInfo", "ShardPlacementResult")},
+    "torch.distributed.fsdp._fully_shard._fsdp_init": {"_get_mesh_info": "shardprop.parallel.fsdp:_get_mesh_info"},
     "torch.distributed._functional_collectives": _FUNCOL,
 }
 
