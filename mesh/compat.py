@@ -265,6 +265,7 @@ def beneath_dispatch_modes(fn):
             return fn(*args, **kwargs)
     return beneath
 
+
 # The fused CPU attention kernel and its backward (ring attention's per-block compute); None where absent.
 cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 cpu_flash_attention_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)

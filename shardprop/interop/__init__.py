@@ -5,9 +5,10 @@ what each redirected torch module gives.
 
 Example:
     >>> from shardprop.interop import redirect_torch_imports
+    >>> program = {"__name__": "train"}  # a module of the program (shardprop's own are never redirected)
     >>> with redirect_torch_imports():
-    ...     from torch.distributed.fsdp import fully_shard
-    >>> fully_shard is __import__("shardprop").fully_shard
+    ...     exec("from torch.distributed.fsdp import fully_shard", program)
+    >>> program["fully_shard"] is __import__("shardprop").fully_shard
     True
 """
 from shardprop.interop.redirect import install, redirect_torch_imports, uninstall

@@ -11,10 +11,11 @@ through ``importlib.import_module``, which does not go through ``__import__``.
 (which binds ``torch``) and ``import torch.distributed._functional_collectives as funcol`` get a view
 of ``torch`` that is torch in every attribute except the path down to the stand-in.
 
-Example:
+Example (a program's module, here ``train``; shardprop's own modules are never redirected):
+    >>> program = {"__name__": "train"}
     >>> with redirect_torch_imports():
-    ...     from torch.distributed.tensor import Shard
-    >>> Shard is __import__("shardprop").Shard
+    ...     exec("from torch.distributed.tensor import Shard", program)
+    >>> program["Shard"] is __import__("shardprop").Shard
     True
 """
 from __future__ import annotations
@@ -151,9 +152,10 @@ def redirect_torch_imports():
     """Inside the block, the program's imports of torch's DTensor stack give shardprop's names.
 
     Example:
+        >>> program = {"__name__": "train"}
         >>> with redirect_torch_imports():
-        ...     import torch.distributed.device_mesh as dm
-        >>> dm.init_device_mesh is __import__("shardprop").init_device_mesh
+        ...     exec("import torch.distributed.device_mesh as dm", program)
+        >>> program["dm"].init_device_mesh is __import__("shardprop").init_device_mesh
         True
     """
     install()

@@ -175,6 +175,6 @@ def without_partial(placements) -> tuple:
 
     Example:
         >>> without_partial((Partial(), Shard(0)))
-        (Replicate(), Shard(dim=0))
+        (R, S(0))
     """
     return tuple(Replicate() if type(p) is Partial else p for p in placements)
