@@ -24,6 +24,7 @@ def _facts(mesh, ours: bool):
                sizes=[mesh.size(d) for d in range(mesh.ndim)],
                local=[mesh.get_local_rank(d) for d in range(mesh.ndim)],
                groups=[sorted(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim)],
+               backends=[str(dist.get_backend(mesh.get_group(d))) for d in range(mesh.ndim)],  # "fake" overrides
                layout=mesh._layout.axes if ours else _torch_axes(mesh._layout))
     return out
 
@@ -105,6 +106,7 @@ def _flatten_and_slice():
         again = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         ours = init is init_device_mesh
         facts = [_facts(m, ours) for m in (adjacent, apart, mesh["dp_shard_cp"], mesh["dp_shard_tp"])]
+        facts.append(sorted(dist.get_process_group_ranks(mesh["tp"].get_group("dp_shard_cp"))))  # by the root's name
         tp = mesh["tp"]
         one_d = tp._flatten("tp") is tp if ours else None
         out.append((facts, apart.mesh_dim_names, again is adjacent, one_d))
