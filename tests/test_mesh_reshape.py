@@ -241,3 +241,31 @@ def test_layout_value_type():
         lay.axes = ()
     import pickle
     assert pickle.loads(pickle.dumps(apart)) == apart and hash(pickle.loads(pickle.dumps(apart))) == hash(apart)
+
+
+def test_unflatten_and_flatten_on_the_fake_backend_build_only_this_ranks_groups():
+    from tests.test_fake_backend import run
+    out = run("""
+        start(65536)
+        from torch.distributed import distributed_c10d as c10d
+        world = sp.init_device_mesh("cpu", (65536,), mesh_dim_names=("world",))
+        before = len(c10d._world.pg_map)
+        t = time.perf_counter()
+        m = world._unflatten(0, (8, 64, 8, 16), ("pp", "batch", "cp", "tp"), backend_override={"pp": "fake"})
+        loss = m["batch", "cp"]._flatten("loss")
+        both = type(m)._concatenate([m["pp"], loss])
+        secs = time.perf_counter() - t
+        def heads(g):
+            r = sorted(dist.get_process_group_ranks(g))
+            return r[:3] + r[-1:]
+        print(json.dumps(dict(secs=secs, made=len(c10d._world.pg_map) - before, coord=m.get_coordinate(),
+                              ranks=[heads(m.get_group(d)) for d in range(4)] + [heads(loss.get_group())],
+                              loss=[loss.size(), loss.get_local_rank(), world["loss"].size()],
+                              both=[list(both.shape), both.get_coordinate()])))
+    """)
+    assert out["coord"] == [0, 0, 0, 3]
+    assert out["ranks"] == [[3, 8195, 16387, 57347], [3, 131, 259, 8067], [3, 19, 35, 115], [0, 1, 2, 15],
+                            [3, 19, 35, 8179]]
+    assert out["loss"] == [512, 0, 512] and out["both"] == [[8, 512], [0, 0]]
+    assert out["made"] <= 5, out  # one group per new dim through this rank (and the flattened one), no other
+    assert out["secs"] < 20, out
