@@ -146,6 +146,21 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 split_group = getattr(dist, "split_group", None)
 
 
+def register_fake_backend() -> None:
+    """Make c10d's ``"fake"`` backend known, for a mesh dim given ``backend_override="fake"``.
+
+    torch registers it on import of its testing module ``fake_pg``, which its own FSDP imports, so
+    torchtitan (whose size-1 dims are fake) gets it for free under torch, and not under us.
+
+    Example:
+        >>> register_fake_backend()
+        >>> "FAKE" in dist.Backend._plugins
+        True
+    """
+    if "FAKE" not in getattr(dist.Backend, "_plugins", {}):
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake" on import)
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a checkpoint recomputation runs inside one).
 

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from shardprop.mesh import compat
 from shardprop.mesh import groups as _groups
+from shardprop.mesh import layout as _layouts
+from shardprop.mesh import reshape as _reshape
 from shardprop.mesh.transport import shm_transport
 
 DimRef = Union[int, str]
@@ -108,33 +110,8 @@ _EAGER_FLAT = 4096
 _PICKLED = "shardprop.DeviceMesh/v1"
 
 
-def _combos(ndim: int) -> List[Tuple[int, ...]]:
-    """Every set of mesh dims that gets a group: singles, and larger sets for ndim <= 3."""
-    out = [(d,) for d in range(ndim)]
-    sizes = range(2, ndim + 1) if ndim <= 3 else [ndim]
-    for k in sizes:
-        out.extend(itertools.combinations(range(ndim), k))
-    return out
-
-
-def _rank_lists(mesh: torch.Tensor, dims: Tuple[int, ...]) -> List[List[int]]:
-    """All rank lists along ``dims`` (flattened row-major), one per coordinate of the other dims."""
-    others = [d for d in range(mesh.ndim) if d not in dims]
-    moved = mesh.permute(*others, *dims).reshape(-1, *[mesh.shape[d] for d in dims])
-    return [row.flatten().tolist() for row in moved]
-
-
-def _my_list(mesh: torch.Tensor, coord: Tuple[int, ...], dims: Tuple[int, ...]) -> Sequence[int]:
-    """The ranks along ``dims`` through ``coord`` (flattened row-major): one rank's entry of :func:`_rank_lists`.
-
-    Evenly spaced ranks come back as a ``range`` (see :func:`groups.compact`).
-
-    Example:
-        >>> _my_list(torch.tensor([[0, 1], [3, 2]]), (1, 0), (1,))
-        [3, 2]
-    """
-    index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
-    return _groups.compact(mesh[index].flatten())
+# Which sets of dims get a group, and their rank lists: shared with mesh/reshape.py, so they live in groups.py.
+_combos, _rank_lists, _my_list = _groups.combos, _groups.rank_lists, _groups.my_list
 
 
 class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh as a value
@@ -152,7 +129,7 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         return super().__new__(cls)
 
     def __init__(self, device_type: str, mesh, mesh_dim_names: Optional[Sequence[str]] = None, *, _parent=None,
-                 _dim_groups=None):
+                 _dim_groups=None, _layout=None, _rank_map=None, _built_groups=None):
         if type(device_type) is str and device_type == _PICKLED:  # DeviceMesh(_PICKLED, ...) called as a constructor: __new__ rebound it
             return
         self.device_type = device_type
@@ -166,6 +143,13 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         # The mesh this one was sliced from (None for a root mesh): fully_shard combines a
         # parameter's tp mesh and its dp mesh into their common parent.
         self._parent = _parent if isinstance(_parent, DeviceMesh) else None
+        # Where the mesh sits in its universe of ranks (see mesh/layout.py): what _flatten, _unflatten
+        # and _concatenate compute with. Given by whoever derives a mesh; a root's is found from its ranks.
+        if _layout is None:
+            _rank_map, _layout = _layouts.place(self.mesh, self._parent._rank_map if self._parent else None)
+        self._layout: _layouts.MeshLayout = _layout
+        self._rank_map: torch.Tensor = _rank_map
+        self._flattened: Dict[str, "DeviceMesh"] = {}  # name -> dim flattened from this root (root[name] slices it)
         # Every rank as Python ints: built now for meshes up to _EAGER_FLAT ranks (later a first use
         # could fall inside torch.compile's tracing, whose FakeTensorMode refuses reading a real
         # tensor); on bigger meshes only when asked (pickling, checkpoints), never on the hot path.
@@ -188,25 +172,35 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         backend = _groups.backend_for(device_type)
         if _dim_groups is not None:  # from_group: the caller's groups, nothing created (not collective)
             self._adopt(_dim_groups, backend)
+        elif _built_groups is not None:  # mesh/reshape.py made or found them
+            self._groups.update(_built_groups)
         elif _parent is None and backend == "gloo":  # collective, like creating the groups below
             shm_transport.attach()
         # On the fake backend only this rank's groups are created (one per set of dims): cost flat
         # in the world size. Elsewhere every rank creates every group, in one order (see
         # groups.own_groups_only); NCCL splits every group of a dim off in one collective call.
         own_only = _groups.own_groups_only(backend)
-        for dims in (() if _dim_groups is not None else _combos(self.mesh.ndim)):
+        for dims in (() if _dim_groups is not None or _built_groups is not None else _combos(self.mesh.ndim)):
             mine = _my_list(self.mesh, self._coord, dims) if self._coord is not None else []
             if _parent is None and not own_only:
                 group = _groups.create_groups(_rank_lists(self.mesh, dims), backend)
             elif _parent is None:
                 group = _groups.create_group(mine, backend) if mine else None
             else:  # a slice reuses its parent's groups and never creates one
-                group = _groups.lookup(backend, mine) if mine else None
+                group = self._parents_group(mine) if len(dims) == 1 else None
+                group = group or (_groups.lookup(backend, mine) if mine else None)
                 if group is None and len(dims) > 1:
                     continue
             self._groups[dims] = (group, mine)
         self._graph_key = next(_next_key)  # registered once built: a failed mesh is never found
         _by_key[self._graph_key] = self
+
+    def _parents_group(self, mine) -> Optional[dist.ProcessGroup]:
+        """The parent's group over ``mine`` along one of its dims: it may have its own backend (an
+        ``_unflatten`` backend_override such as "fake"), which a lookup by this mesh's backend misses."""
+        if self._parent is None or not mine:
+            return None
+        return next((g for dims, (g, r) in self._parent._groups.items() if len(dims) == 1 and r == mine), None)
 
     def _adopt(self, groups, backend: str) -> None:
         """Take one given process group per mesh dim (see :meth:`from_group`); checks each one's ranks."""
@@ -407,7 +401,11 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         return self._coord[self.dim_index(dim)]
 
     def get_group(self, dim: DimRef = 0) -> dist.ProcessGroup:
-        """The process group along one mesh dim (created with the mesh)."""
+        """The process group along one mesh dim (created with the mesh), or of a dim flattened from the root."""
+        if isinstance(dim, str) and dim not in (self.mesh_dim_names or ()):
+            group = _reshape.flattened_group(self, dim)
+            if group is not None:
+                return group
         return self._groups[(self.dim_index(dim),)][0]
 
     def group_for(self, dims: Tuple[int, ...]):
@@ -438,6 +436,8 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         """
         if isinstance(names, str):
             names = (names,)
+        if self._flattened and any(n in self._flattened for n in names):  # a dim flattened from this root
+            return _reshape.slice_flattened(self, tuple(names))
         dims = [self.dim_index(n) for n in names]
         if len(set(dims)) != len(dims):
             raise ValueError(f"DeviceMesh: repeated dims in {names}")
@@ -447,7 +447,42 @@ class DeviceMesh(compat.OpaqueValueBase):  # the base lets compile hold a mesh a
         sub = self.mesh[index]
         kept = [d for d in range(self.ndim) if d in dims]
         sub = sub.permute(*[kept.index(d) for d in dims])
-        return DeviceMesh(self.device_type, sub, tuple(names) if self.mesh_dim_names else None, _parent=self)
+        return DeviceMesh(self.device_type, sub, tuple(names) if self.mesh_dim_names else None, _parent=self,
+                          _layout=self._layout.select(dims), _rank_map=self._rank_map)
+
+    # ---- torch's private mesh-building API (torchtitan builds every mesh with it): see mesh/reshape.py
+    def _flatten(self, mesh_dim_name: Optional[str] = None, backend_override=None) -> "DeviceMesh":
+        """A 1-d mesh over all dims of this one, sliceable from the root by its name (torch's ``_flatten``).
+
+        Example:
+            >>> mesh["dp", "cp"]._flatten("dp_cp") is mesh["dp_cp"]  # doctest: +SKIP
+            True
+        """
+        return _reshape.flatten(self, mesh_dim_name, backend_override)
+
+    def _unflatten(self, dim: DimRef, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+                   backend_override=None) -> "DeviceMesh":
+        """This mesh with dim ``dim`` split into dims of ``mesh_sizes`` (torch's ``_unflatten``).
+
+        Example:
+            >>> world._unflatten(0, (2, 2), ("dp", "tp")).shape  # doctest: +SKIP
+            (2, 2)
+        """
+        return _reshape.unflatten(self, dim, mesh_sizes, mesh_dim_names, backend_override)
+
+    @staticmethod
+    def _concatenate(device_mesh_list: Sequence["DeviceMesh"]) -> "DeviceMesh":
+        """One mesh whose dims are the given meshes' dims, over their common ranks (torch's ``_concatenate``).
+
+        Example:
+            >>> DeviceMesh._concatenate([mesh["dp"], mesh["tp"]]) == mesh  # doctest: +SKIP
+            True
+        """
+        return _reshape.concatenate(device_mesh_list)
+
+    def _get_root_mesh(self) -> "DeviceMesh":
+        """The mesh this one was sliced, flattened or unflattened from, ultimately (itself for a root)."""
+        return _reshape.root_of(self)
 
 
 def _describe(device_type, flat, shape, names) -> str:

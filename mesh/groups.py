@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import collections.abc
 import datetime
+import itertools
 import os
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -154,13 +155,16 @@ def ensure_default_group(device_type: str, backend: Optional[str] = None) -> Non
     dist.init_process_group(backend=backend, timeout=collective_timeout(), **kwargs)
 
 
-def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Optional[dist.ProcessGroup]:
+def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str, *, named: bool = False,
+                  options=None) -> Optional[dist.ProcessGroup]:
     """Create (or reuse) one group per rank list; return the one holding this rank.
 
     Every rank must call this with the same lists in the same order: group creation is
     collective over the default group. On NCCL the lists (one partition of the ranks) are split
     from the default communicator in one call. (On the fake backend meshes take
-    :func:`create_group`, which only the members call.)
+    :func:`create_group`, which only the members call.) ``named=True`` creates the groups with
+    ``backend`` even where the default group's backend would be followed (a mesh dim's
+    ``backend_override``, e.g. ``"fake"``); ``options`` are c10d's backend options, passed on.
 
     Example:
         >>> create_groups([[0, 1], [2, 3]], "nccl")  # doctest: +SKIP
@@ -169,13 +173,17 @@ def create_groups(all_rank_lists: Iterable[Sequence[int]], backend: str) -> Opti
     keys = [cache_key(backend, ranks) for ranks in all_rank_lists]
     todo = [k for k in keys if k not in _group_cache]
     if todo and backend == "nccl" and compat.split_group is not None:
-        split = compat.split_group(split_ranks=[list(k[1]) for k in todo], timeout=collective_timeout())
+        extra = {"pg_options": options} if options is not None else {}
+        split = compat.split_group(split_ranks=[list(k[1]) for k in todo], timeout=collective_timeout(), **extra)
         for k in todo:
             _group_cache[k] = split if me in k[1] else None
     else:
-        named = None if follows_default(backend) else backend
+        name = backend if named or not follows_default(backend) else None
+        extra = {"pg_options": options} if options is not None else {}
+        if name == "fake":
+            compat.register_fake_backend()
         for k in todo:
-            _group_cache[k] = dist.new_group(list(k[1]), timeout=collective_timeout(), backend=named)
+            _group_cache[k] = dist.new_group(list(k[1]), timeout=collective_timeout(), backend=name, **extra)
     for k in keys:
         if me in k[1]:
             return _group_cache[k]
@@ -326,3 +334,33 @@ def create_group(ranks: Sequence[int], backend: str) -> dist.ProcessGroup:
                                use_local_synchronization=True)
     _group_cache[key] = group
     return group
+
+
+# ---- which groups a mesh has, and their rank lists ---------------------------------
+def combos(ndim: int) -> List[Tuple[int, ...]]:
+    """Every set of mesh dims that gets a group: singles, and larger sets for ndim <= 3."""
+    out = [(d,) for d in range(ndim)]
+    sizes = range(2, ndim + 1) if ndim <= 3 else [ndim]
+    for k in sizes:
+        out.extend(itertools.combinations(range(ndim), k))
+    return out
+
+
+def rank_lists(mesh: torch.Tensor, dims: Tuple[int, ...]) -> List[List[int]]:
+    """All rank lists along ``dims`` (flattened row-major), one per coordinate of the other dims."""
+    others = [d for d in range(mesh.ndim) if d not in dims]
+    moved = mesh.permute(*others, *dims).reshape(-1, *[mesh.shape[d] for d in dims])
+    return [row.flatten().tolist() for row in moved]
+
+
+def my_list(mesh: torch.Tensor, coord: Tuple[int, ...], dims: Tuple[int, ...]) -> Sequence[int]:
+    """The ranks along ``dims`` through ``coord`` (flattened row-major): one rank's entry of :func:`rank_lists`.
+
+    Evenly spaced ranks come back as a ``range`` (see :func:`compact`).
+
+    Example:
+        >>> my_list(torch.tensor([[0, 1], [3, 2]]), (1, 0), (1,))
+        [3, 2]
+    """
+    index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
+    return compact(mesh[index].flatten())

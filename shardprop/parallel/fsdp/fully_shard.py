@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Set, Union
 import torch
 import torch.nn as nn
 
+from shardprop.mesh import reshape as _reshape
 from shardprop.parallel.fsdp.flat_buffers import REPLICATED, ParamSlot, UnitBuffers
 from shardprop.parallel.fsdp.api import CPUOffloadPolicy, DataParallelMeshDims, OffloadPolicy
 from shardprop.parallel.fsdp.hooks import post_forward, pre_forward
@@ -109,18 +110,10 @@ def _normalize_reshard(raf, shard_size: int):
 def _post_forward_mesh(shard_mesh, n: int):
     """The group of ``n`` consecutive shard ranks through this rank (built once, on every rank)."""
     from shardprop.mesh.device_mesh import DeviceMesh
-    root = shard_mesh
-    while root._parent is not None:
-        root = root._parent
-    key = (root, shard_mesh.mesh_dim_names, n)
+    key = (_reshape.root_of(shard_mesh), shard_mesh._layout, n)
     if key not in _POST_FORWARD_MESHES:
-        if root is shard_mesh:
-            layout = shard_mesh.mesh.reshape(-1, n)
-        else:  # every group of every other coordinate too: creating groups is collective
-            at = root.mesh_dim_names.index(shard_mesh.mesh_dim_names[0]) if shard_mesh.mesh_dim_names else -1
-            if at < 0:
-                raise NotImplementedError("fully_shard: reshard_after_forward=<int> needs named mesh dims")
-            layout = root.mesh.movedim(at, -1).reshape(-1, n)
+        # Every copy of the shard mesh (one per coordinate of the other dims) too: creating groups is collective.
+        layout = _reshape.full_ranks(shard_mesh).reshape(-1, n)
         _POST_FORWARD_MESHES[key] = DeviceMesh(shard_mesh.device_type, layout, ("rest", "group"))["group"]
     return _POST_FORWARD_MESHES[key]
 
@@ -209,18 +202,19 @@ def _placement_dim(fn, fqn: str, p, D: int, dp_mesh=None, local=None) -> int:
 
 
 def _two_d_layout(fqn: str, p: DTensor, dp_mesh):
-    """(parent mesh, dp dim index in it, tp placement, tensor dim dp splits) for a DTensor parameter."""
+    """(2-d mesh, dp dim index in it, tp placement, tensor dim dp splits) for a DTensor parameter."""
     tp_mesh = p._spec.mesh
     parent = getattr(dp_mesh, "_parent", None)
     # Meshes compare by value (specs are interned, so the tp mesh may be an equal object sliced
-    # earlier): the tp mesh must be the parent's other dim through this rank.
+    # earlier): when the tp mesh is the other dim of the 2-d mesh dp was sliced from, that mesh it is.
     other = None
-    if parent is not None and parent.ndim == 2 and parent.mesh_dim_names and tp_mesh.ndim == 1:
+    if (parent is not None and parent.ndim == 2 and parent.mesh_dim_names and tp_mesh.ndim == 1
+            and dp_mesh.mesh_dim_names and dp_mesh.mesh_dim_names[0] in parent.mesh_dim_names):
         other = parent[[n for n in parent.mesh_dim_names if n != dp_mesh.mesh_dim_names[0]][0]]
     if other is None or other != tp_mesh:
-        raise ValueError(f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh}, which is not the other dim "
-                         f"of the 2-d mesh the dp mesh {dp_mesh} was sliced from; slice both from one "
-                         f"('dp', 'tp') mesh")
+        # Else the two meshes' dims, wherever sliced from (torchtitan slices dp and tp from two meshes
+        # unflattened from one world), if together they form a 2-d mesh over one set of ranks.
+        parent = _combine(fqn, dp_mesh, tp_mesh)
     dp_name, tp_name = dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]
     (tp_pl,) = p._spec.placements
     return parent, parent.mesh_dim_names.index(dp_name), tp_pl, _dp_dim_beside(fqn, p, tp_pl, tp_name)
@@ -237,6 +231,28 @@ def _dp_dim_beside(fqn: str, p, tp_pl, tp_name: str) -> int:
         # exact); a 1-d one (a bias) stays whole on every dp rank ([R on dp, S(0) on tp]).
         dim = 1 if p.ndim >= 2 else REPLICATED
     return dim
+
+
+def _combine(fqn: str, dp_mesh, tp_mesh):
+    """The 2-d (dp, tp) mesh of a parameter's dp and tp meshes; a clear error when they do not form one."""
+    from shardprop.mesh.device_mesh import DeviceMesh
+    why = None
+    if tp_mesh.ndim != 1 or not tp_mesh.mesh_dim_names or not dp_mesh.mesh_dim_names:
+        why = "both must be 1-d meshes with named dims"
+    elif not _reshape.same_universe(dp_mesh, tp_mesh):
+        why = "they are over different sets of ranks"
+    else:
+        try:
+            both = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except (RuntimeError, ValueError) as e:
+            why = f"their dims overlap ({e})"
+        else:
+            if both._coord is not None:
+                return both
+            why = "this rank is not in both"
+    raise ValueError(f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh}, which does not combine with the dp "
+                     f"mesh {dp_mesh} into a 2-d (dp, tp) mesh: {why}; slice both from meshes over one world whose "
+                     f"dp and tp dims are different dims (e.g. one ('dp', 'tp') mesh)")
 
 
 def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int, dp_mesh=None) -> None:
