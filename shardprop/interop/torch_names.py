@@ -4,8 +4,9 @@ Each torch module a program may import (``torch.distributed.tensor``, its submod
 ``torch.distributed.device_mesh``, ``torch.distributed.fsdp``, ``torch.distributed._functional_collectives``,
 ``torch.distributed._tensor``) maps to the names shardprop gives in its place, each named as
 ``"module:attribute"`` and imported on first use. A name listed as :data:`NOT_PROVIDED` imports
-(programs import torch-private helpers at module level for paths they may never take) but raises,
-naming itself, when it is used. A name not in the table does not import: ``ImportError`` says which
+(programs import torch-private helpers at module level for paths they may never take) as a class that
+raises, naming itself, when called, and that nothing is an instance of (``isinstance(p, _StridedShard)``
+is False for our placements, which are never strided). A name not in the table does not import: ``ImportError`` says which
 name of which module shardprop lacks, rather than mixing torch's engine with ours.
 
 Example:
@@ -64,37 +65,30 @@ TABLE: Dict[str, Dict[str, str]] = {
 }
 
 
-class NotProvided:
-    """Stands in for a torch name shardprop does not give: importing it works, using it raises, naming it.
+def not_provided(module: str, name: str) -> type:
+    """A stand-in for a torch name shardprop does not give: importing it works, calling or instantiating it
+    raises, naming it, and ``isinstance(x, it)`` is False for everything (no shardprop object is one).
 
     Example:
-        >>> NotProvided("torch.distributed.tensor.experimental._attention", "_PTRRLoadBalancer")()
+        >>> balancer = not_provided("torch.distributed.tensor.experimental._attention", "_PTRRLoadBalancer")
+        >>> isinstance(object(), balancer)
+        False
+        >>> balancer()
         Traceback (most recent call last):
         ...
         NotImplementedError: shardprop does not provide torch.distributed.tensor.experimental._attention._PTRRLoadBalancer (imported through shardprop.launch); the program used it
     """
+    where = f"{module}.{name}"
 
-    def __init__(self, module: str, name: str) -> None:
-        self.__name__ = self.__qualname__ = name
-        self._where = f"{module}.{name}"
-
-    def _refuse(self, *args, **kwargs):
-        raise NotImplementedError(f"shardprop does not provide {self._where} (imported through shardprop.launch); "
+    def refuse(cls, *args, **kwargs):
+        raise NotImplementedError(f"shardprop does not provide {where} (imported through shardprop.launch); "
                                   "the program used it")
 
-    __call__ = _refuse
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        self._refuse()
-
-    def __repr__(self) -> str:
-        return f"<not provided by shardprop: {self._where}>"
+    return type(name, (), {"__new__": refuse, "__module__": __name__, "__doc__": f"not provided by shardprop: {where}"})
 
 
 def resolve(module: str, name: str):
-    """Our object for ``module.name`` (a :class:`NotProvided` for a listed gap); AttributeError if unlisted.
+    """Our object for ``module.name`` (:func:`not_provided`'s class for a listed gap); AttributeError if unlisted.
 
     Example:
         >>> resolve("torch.distributed.fsdp", "fully_shard").__module__
@@ -105,7 +99,7 @@ def resolve(module: str, name: str):
         raise AttributeError(f"shardprop's stand-in for {module} has no {name!r}: shardprop does not provide it "
                              f"(see shardprop.interop.torch_names)")
     if where == NOT_PROVIDED:
-        return NotProvided(module, name)
+        return _NOT_PROVIDED.setdefault((module, name), not_provided(module, name))
     mod, attr = where.split(":")
     return getattr(importlib.import_module(mod), attr)
 
@@ -131,4 +125,6 @@ def describe() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TABLE", "NOT_PROVIDED", "NotProvided", "resolve", "describe"]
+_NOT_PROVIDED: Dict[tuple, type] = {}  # one stand-in class per name, so isinstance checks see one class
+
+__all__ = ["TABLE", "NOT_PROVIDED", "not_provided", "resolve", "describe"]
