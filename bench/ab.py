@@ -196,7 +196,10 @@ def _ratio(samples, metric):
 
 
 def _geomean(xs):
-    return math.exp(sum(map(math.log, xs)) / len(xs))
+    # A dispatch overhead is a difference of two timings: on a loaded machine one can come out <= 0, and
+    # its ratio means nothing. The mean is over the meaningful ratios (nan when none is).
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
 def report(results, base_rev, this_rev):

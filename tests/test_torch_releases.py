@@ -73,7 +73,7 @@ _FAILING_REGISTRATION = textwrap.dedent('''
     from shardprop.mesh import compat
     from shardprop.tensor import compile_support
 
-    def refuse(cls):  # what torch 2.11 raised for a mesh that is not an OpaqueBase
+    def refuse(cls, *members):  # what torch 2.11 raised for a mesh that is not an OpaqueBase
         raise TypeError("Opaque type DeviceMesh must subclass torch._opaque_base.OpaqueBase (simulated)")
     compat.register_opaque_value = refuse
 
