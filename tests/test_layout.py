@@ -150,6 +150,20 @@ def test_every_room_is_a_package_with_a_docstring():
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing of what the room holds"
 
 
+def test_pyproject_lists_every_package():
+    # setuptools installs only the listed packages: a subpackage left out imports in an editable
+    # install and is missing from a wheel.
+    import re
+    listed = set(re.findall(r'"(shardprop[\w.]*)"', (ROOT / "pyproject.toml").read_text().split("[tool.setuptools]")[1]
+                            .split("[tool.setuptools.package-dir]")[0]))
+    found = set()
+    for top, name in (("shardprop", "shardprop"), ("mesh", "shardprop.mesh"), ("ops", "shardprop.ops")):
+        for init in (ROOT / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / top).parts
+            found.add(".".join((name,) + rel))
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
 def test_the_checker_sees_a_cycle_and_a_lazy_import():
     # The checks themselves must be able to fail.
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
