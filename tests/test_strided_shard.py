@@ -132,3 +132,28 @@ def test_ops_on_strided():
     for res in run_on_ranks(4, _ops_on_strided):
         bad = [(tag, what) for tag, what, ok in res if not ok]
         assert not bad, bad
+
+
+def _dcp_refuses_strided():
+    import shardprop as P
+    mesh = P.init_device_mesh("cpu", (2, 2))
+    x = P.distribute_tensor(torch.arange(16.0).reshape(8, 2), mesh, [P._StridedShard(0, split_factor=2), P.Shard(0)])
+    got = []
+    for hook in (lambda: x.__create_chunk_list__(), lambda: x.__create_write_items__("w", x)):
+        try:
+            hook()
+            got.append(False)
+        except NotImplementedError as e:  # never a silently wrong chunk
+            got.append("_S(0, sf=2)" in str(e))
+    return got
+
+
+def test_dcp_refuses_strided():
+    assert run_on_ranks(4, _dcp_refuses_strided) == [[True, True]] * 4
+
+
+def test_torch_name_maps_to_ours():
+    import shardprop
+    from shardprop.interop.torch_names import resolve
+    for mod in ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types"):
+        assert resolve(mod, "_StridedShard") is shardprop._StridedShard
