@@ -41,7 +41,7 @@ from shardprop.parallel.tp.styles import (
 from shardprop.tensor.distribute import distribute_tensor
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.factories import empty, full, linspace, logspace, ones, rand, randn, zeros
-from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
 from shardprop.tensor.redistribute import plan_redistribute
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
@@ -50,7 +50,7 @@ __all__ = [
     "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
     "CommCounter", "comm_counter", "set_buffer_reuse", "buffer_reuse_enabled", "manual_seed", "GradientReducer",
     "compute_bucket_assignment_by_size", "replicate_gradients",
-    "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "ShardingError",
+    "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "_StridedShard", "ShardingError",
     "ImplicitRedistributionError", "RuleReport", "TensorMeta", "check_sharding_rule", "cache_stats", "explain",
     "explicit", "clear_cache", "distribute_tensor", "init_device_mesh", "plan_redistribute",
     "print_cache_stats", "register_sharding", "set_cache_size", "set_decompose_fallback", "set_fallback_to_replicate",

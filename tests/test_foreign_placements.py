@@ -5,7 +5,7 @@ placement objects) pass ``torch.distributed.tensor.Shard(0)`` and friends to our
 takes them by duck typing and computes what it computes with ours: ``distribute_tensor``,
 ``redistribute``, ``from_local``, ``to_local(grad_placements=...)``, the TP styles' layouts (also
 ``PrepareModuleInput``'s keyword layouts) and ``fully_shard``'s ``shard_placement_fn``. A torch
-``_StridedShard`` is not relabelled as a plain shard (it is another layout), and an object that is no
+``_StridedShard`` becomes ours, never a plain shard (it is another layout), and an object that is no
 placement still raises, naming itself.
 """
 import pytest
@@ -63,5 +63,5 @@ def test_torch_placements_are_taken_as_ours():
         assert repr(got["kwarg_layouts"]) == "(S(0), R)"
         assert repr(got["shard_placement_fn"]) == "(S(1),)"
         assert "'S(0)' is not a placement" in got["not_a_placement"]
-        if "strided" in got:
-            assert got["strided"] is None
+        if "strided" in got:  # ours, same dim and factor: another layout, never relabelled a plain shard
+            assert repr(got["strided"]) == "_S(0, sf=2)"

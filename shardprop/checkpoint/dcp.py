@@ -34,12 +34,17 @@ import torch
 from shardprop.checkpoint.chunks import shard_box
 from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor.dtensor import DTensor
-from shardprop.tensor.placement import Partial, without_partial
+from shardprop.tensor.placement import Partial, has_strided, without_partial
 from shardprop.tensor.redistribute import redistribute_local
 
 
 def _box(dt: DTensor):
     spec = dt._spec
+    if has_strided(spec.placements):
+        # A strided shard is several runs of the global tensor, never one box: one chunk would
+        # silently save (and load) the wrong elements.
+        raise NotImplementedError(f"DCP: a DTensor laid out as {list(spec.placements)} (a _StridedShard) has no "
+                                  "single chunk per rank; redistribute it to Shard/Replicate placements to save it")
     return shard_box(spec.shape, spec.mesh.shape, spec.mesh._coord, spec.placements)
 
 

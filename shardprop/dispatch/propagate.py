@@ -7,6 +7,7 @@ the same. Output tensor meta comes from running the op once on meta tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import warnings
@@ -26,7 +27,7 @@ from shardprop.dispatch.op_schema import (
     ScalarTensor,
     _Marker,
 )
-from shardprop.tensor.placement import Replicate, Shard
+from shardprop.tensor.placement import Replicate, Shard, _StridedShard, has_strided
 from shardprop.tensor.redistribute import (
     local_bytes,
     plan_redistribute,
@@ -365,8 +366,42 @@ def propagate_uncached(schema: OpSchema) -> OutputSharding:
     return _propagate_uncounted(schema, cached=False)
 
 
+def _unstrided(a):
+    """``a`` (a schema's args or kwargs) with every ``_StridedShard`` of every spec as ``Replicate``."""
+    if type(a) is DTensorSpec:
+        return a.with_placements(Replicate() if type(p) is _StridedShard else p for p in a.placements) \
+            if has_strided(a.placements) else a
+    if type(a) is tuple:
+        return tuple(_unstrided(x) for x in a)
+    return a
+
+
+def _via_replicate(schema: OpSchema, cached: bool, check_out: bool) -> OutputSharding:
+    """Propagation for inputs with a ``_StridedShard``: the rule sees those mesh dims replicated.
+
+    No rule knows strided layouts, so each such input is gathered on those mesh dims first
+    (priced and planned as a strided gather); the answer is cached under the strided schema,
+    so only misses come here. A strided in-place target or ``out=`` cannot be written through
+    a gathered copy: refused.
+    """
+    plain = OpSchema(schema.op, _unstrided(schema.args), _unstrided(schema.kwargs))
+    out = _propagate_uncounted(plain, cached, check_out)
+    specs = PropContext(schema, cached).specs
+    written = [v for k, v in schema.kwargs if k in written_kwargs(schema.op)]
+    bad = [s for s in ([specs[0]] if out.returns == "self" else []) + [v for v in written if type(v) is DTensorSpec]
+           if has_strided(s.placements)]
+    if bad:
+        raise ShardingError(f"{schema.op}: cannot write in place into a DTensor laid out as {list(bad[0].placements)}; "
+                            "redistribute it to Shard/Replicate placements first")
+    plans = tuple(None if s.placements == n.placements else plan_redistribute(s, n.placements)
+                  for s, n in zip(specs, out.in_specs))
+    return dataclasses.replace(out, plans=plans, needs_redistribute=any(p is not None for p in plans))
+
+
 def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool = True) -> OutputSharding:
     op = schema.op
+    if any(has_strided(s.placements) for s in schema.specs):  # a miss only: the cache-hit path never gets here
+        return _via_replicate(schema, cached, check_out)
     ctx = PropContext(schema, cached)
     if not ctx.specs:
         raise ShardingError(f"{op}: called with no DTensor inputs")

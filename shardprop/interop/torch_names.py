@@ -5,8 +5,7 @@ Each torch module a program may import (``torch.distributed.tensor``, its submod
 ``torch.distributed._tensor``) maps to the names shardprop gives in its place, each named as
 ``"module:attribute"`` and imported on first use. A name listed as :data:`NOT_PROVIDED` imports
 (programs import torch-private helpers at module level for paths they may never take) as a class that
-raises, naming itself, when called, and that nothing is an instance of (``isinstance(p, _StridedShard)``
-is False for our placements, which are never strided). A name not in the table does not import: ``ImportError`` says which
+raises, naming itself, when called, and that nothing is an instance of. A name not in the table does not import: ``ImportError`` says which
 name of which module shardprop lacks, rather than mixing torch's engine with ours.
 
 Example:
@@ -45,8 +44,8 @@ _DEVICE_MESH = {"DeviceMesh": "shardprop:DeviceMesh", "init_device_mesh": "shard
 TABLE: Dict[str, Dict[str, str]] = {
     "torch.distributed.tensor": _TENSOR,
     "torch.distributed._tensor": _TENSOR,
-    "torch.distributed.tensor.placement_types": {**_PLACEMENT_TYPES, "_StridedShard": NOT_PROVIDED},
-    "torch.distributed._tensor.placement_types": {**_PLACEMENT_TYPES, "_StridedShard": NOT_PROVIDED},
+    "torch.distributed.tensor.placement_types": {**_PLACEMENT_TYPES, "_StridedShard": "shardprop:_StridedShard"},
+    "torch.distributed._tensor.placement_types": {**_PLACEMENT_TYPES, "_StridedShard": "shardprop:_StridedShard"},
     "torch.distributed.tensor.parallel": _PARALLEL,
     "torch.distributed.tensor.experimental": _EXPERIMENTAL,
     # torchtitan's context-parallel module imports these torch-private helpers at module level.

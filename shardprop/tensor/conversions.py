@@ -19,7 +19,7 @@ from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor import dtensor as _dt
 from shardprop.tensor.layout import local_shape_and_offset
-from shardprop.tensor.placement import Partial, Replicate, Shard, normalize_placements, without_partial
+from shardprop.tensor.placement import Partial, Replicate, is_shard_like, normalize_placements, without_partial
 from shardprop.tensor.redistribute import plan_redistribute, redistribute_local, run_plan
 
 _is_compiling = torch.compiler.is_compiling
@@ -62,7 +62,7 @@ class FromLocal(torch.autograd.Function):
         elif shape is None:
             shape = list(local.shape)
             for m, p in enumerate(placements):
-                if type(p) is Shard:
+                if is_shard_like(p):  # torch's guess for a strided shard too: even pieces
                     shape[p.dim] *= mesh.shape[m]
         if stride is None:
             stride = _dt.stride_like(local, shape)
@@ -331,7 +331,7 @@ def _checked_global_shape(local, mesh, placements, shape):
     if not problems:
         derived = list(shapes[ranks[0]])
         for d in range(len(derived)):
-            mdims = [m for m, p in enumerate(placements) if type(p) is Shard and p.dim == d]
+            mdims = [m for m, p in enumerate(placements) if is_shard_like(p) and p.dim == d]
             if mdims:  # sum the pieces along the mesh dims that shard d, others at their first index
                 derived[d] = sum(shapes[r][d] for r in ranks
                                  if all(coords[r][m] == 0 for m in range(mesh.ndim) if m not in mdims))

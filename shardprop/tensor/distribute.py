@@ -10,7 +10,8 @@ from shardprop.mesh.device_mesh import mesh_or_current
 from shardprop.tensor import compile_support
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Replicate, Shard, normalize_placements, partial_fill
+from shardprop.tensor.placement import Replicate, Shard, _StridedShard, normalize_placements, partial_fill
+from shardprop.tensor.strided import strided_positions
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *,
@@ -90,6 +91,16 @@ def _from_source(full: torch.Tensor, mesh, placements, src: int) -> torch.Tensor
         # only the groups along m that contain such a rank need to move anything.
         k = mesh.shape[m]
         idle = k == 1 or any(me[j] != src_coord[j] for j in range(m + 1, mesh.ndim))
+        if type(p) is _StridedShard:
+            # Broadcast the parent, then each rank picks its runs: a scatter would need the
+            # pieces packed by index first, and the parent is what this mesh dim splits anyway.
+            if not idle:
+                if me[m] != src_coord[m]:
+                    data = torch.empty_like(data, memory_format=torch.contiguous_format)
+                C.broadcast(data, mesh, (m,), src=src_coord[m])
+            pos = strided_positions(data.shape[p.dim], k, p.split_factor, me[m])
+            data = data.index_select(p.dim, torch.tensor(pos, dtype=torch.long, device=data.device))
+            continue
         if idle:  # keep the shard's shape right; a later step overwrites the data
             if type(p) is Shard:
                 off, ln = chunk_bounds(data.shape[p.dim], k, me[m])

@@ -12,7 +12,8 @@ import torch
 
 from shardprop.tensor.compile_support import check_compile
 from shardprop.tensor.layout import local_shape_and_offset
-from shardprop.tensor.placement import without_partial
+from shardprop.tensor import strided
+from shardprop.tensor.placement import has_strided, without_partial
 from shardprop.tensor.spec import DTensorSpec, TensorMeta
 
 
@@ -163,6 +164,8 @@ def local_chunk(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     """This rank's shard of a full tensor, cut locally with no communication (empty outside the mesh)."""
     if mesh._coord is None:
         return full.new_empty(0)
+    if has_strided(placements):  # several runs per dim: picked by index, not narrowed
+        return strided.pick(full, mesh.shape, mesh._coord, placements)
     shape, offset = local_shape_and_offset(full.shape, mesh.shape, mesh._coord, placements)
     out = full
     for d, (off, ln) in enumerate(zip(offset, shape)):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
-from shardprop.tensor.placement import Shard
+from shardprop.tensor.placement import Shard, _StridedShard
+from shardprop.tensor.strided import strided_len, strided_shape_and_offset
 
 
 def chunk_bounds(size: int, parts: int, index: int) -> Tuple[int, int]:
@@ -33,6 +34,9 @@ def local_shape_and_offset(shape: Sequence[int], mesh_shape: Sequence[int], coor
                            placements) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """This coordinate's local shard shape and its offset in the global tensor.
 
+    With a ``_StridedShard`` the shard is several runs of the dim: the offset is its first
+    global index, as torch reports it (``strided.dim_indices`` gives them all).
+
     Example:
         >>> local_shape_and_offset((5, 3), (2, 2), (1, 1), (Shard(0), Shard(0)))
         ((1, 3), (4, 0))
@@ -44,6 +48,8 @@ def local_shape_and_offset(shape: Sequence[int], mesh_shape: Sequence[int], coor
             off, length = chunk_bounds(size[p.dim], mesh_shape[m], coord[m])
             offset[p.dim] += off
             size[p.dim] = length
+        elif type(p) is _StridedShard:  # several runs: the index-list arithmetic, from the start
+            return strided_shape_and_offset(shape, mesh_shape, coord, placements)
     return tuple(size), tuple(offset)
 
 
@@ -55,4 +61,9 @@ def is_even(shape: Sequence[int], mesh_shape: Sequence[int], placements) -> bool
             if size[p.dim] % mesh_shape[m]:
                 return False
             size[p.dim] //= mesh_shape[m]
+        elif type(p) is _StridedShard:
+            lens = {strided_len(size[p.dim], mesh_shape[m], p.split_factor, r) for r in range(mesh_shape[m])}
+            if len(lens) != 1:
+                return False
+            size[p.dim] = lens.pop()
     return True

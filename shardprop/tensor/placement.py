@@ -13,12 +13,12 @@ _ALIASES = {"prod": "product"}
 
 
 class Placement:
-    """Base of Shard, Replicate and Partial."""
+    """Base of Shard, _StridedShard, Replicate and Partial."""
 
     __slots__ = ()
 
     def is_shard(self, dim=None) -> bool:
-        """True for Shard (of ``dim``, if given)."""
+        """True for Shard (of ``dim``, if given); False for ``_StridedShard``, as torch answers."""
         return False
 
     def is_replicate(self) -> bool:
@@ -50,6 +50,55 @@ class Shard(Placement):
 
     def __repr__(self) -> str:
         return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class _StridedShard(Placement):
+    """Shard tensor dim ``dim`` as if this mesh dim split it *after* ``split_factor`` pieces were cut.
+
+    torch's layout for a mesh dim that shards a tensor dim right-to-left (FSDP over TP-sharded
+    parameters, flattened views): the dim is chunked into ``split_factor`` pieces, each piece is
+    chunked into as many parts as the mesh dim has ranks, and rank ``r`` holds part ``r`` of every
+    piece, concatenated. So a rank's shard is several runs of the global dim, not one.
+    ``is_shard()`` is False, as torch's (2.15) answers: code asking "is this a plain chunk" must
+    not take it for one.
+
+    Example:
+        >>> _StridedShard(0, split_factor=2)  # on 2 ranks, rows [0..7] -> rank 0: [0, 1, 4, 5]
+        _S(0, sf=2)
+    """
+
+    dim: int
+    split_factor: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.dim, int):
+            raise TypeError(f"_StridedShard: dim must be an int, got {self.dim!r}")
+        if not isinstance(self.split_factor, int) or self.split_factor < 1:
+            raise ValueError(f"_StridedShard: split_factor must be an int >= 1, got {self.split_factor!r}")
+
+    def __repr__(self) -> str:
+        return f"_S({self.dim}, sf={self.split_factor})"
+
+
+def is_shard_like(p) -> bool:
+    """True for ``Shard`` and ``_StridedShard``: placements that split a tensor dim across a mesh dim.
+
+    Example:
+        >>> is_shard_like(Shard(0)), is_shard_like(_StridedShard(0, split_factor=2)), is_shard_like(Replicate())
+        (True, True, False)
+    """
+    return type(p) is Shard or type(p) is _StridedShard
+
+
+def has_strided(placements) -> bool:
+    """True when some placement is a ``_StridedShard`` (what routes layout and planning to the strided code).
+
+    Example:
+        >>> has_strided((Shard(0), _StridedShard(1, split_factor=2))), has_strided((Shard(0),))
+        (True, False)
+    """
+    return any(type(p) is _StridedShard for p in placements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +169,8 @@ def as_placement(p):
     and packages such as ``spmd_types`` hand out torch's objects too. They are recognised by duck typing
     (the methods every torch placement has, and ``dim`` / ``reduce_op``), never by importing torch's module.
 
+    torch's ``_StridedShard`` (recognised by its ``split_factor``) becomes ours, same dim and factor.
+
     Example:
         >>> class TorchShard:  # a stand-in with torch's Shard's shape
         ...     dim = 1
@@ -130,8 +181,9 @@ def as_placement(p):
     if isinstance(p, Placement):
         return p
     try:
-        if getattr(p, "split_factor", None) not in (None, 1):  # torch's _StridedShard: not ours to relabel
-            return None
+        sf = getattr(p, "split_factor", None)
+        if sf is not None:  # torch's _StridedShard (before is_shard: older torch answers True for it)
+            return _StridedShard(int(p.dim), split_factor=int(sf))
         if callable(getattr(p, "is_shard", None)) and p.is_shard():
             return Shard(int(p.dim))
         if callable(getattr(p, "is_replicate", None)) and p.is_replicate():
@@ -160,11 +212,11 @@ def normalize_placements(placements, ndim: int, mesh_ndim: int, where: str = "pl
         p = as_placement(given)
         if p is None:
             raise TypeError(f"{where}: {given!r} is not a placement (use Shard(d), Replicate() or Partial())")
-        if isinstance(p, Shard):
+        if type(p) is Shard or type(p) is _StridedShard:
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"{where}: {p!r} is out of range for a {ndim}-d tensor")
             if p.dim < 0:
-                p = Shard(p.dim + ndim)
+                p = Shard(p.dim + ndim) if type(p) is Shard else _StridedShard(p.dim + ndim, split_factor=p.split_factor)
         out.append(p)
     return tuple(out)
 

@@ -33,13 +33,15 @@ from shardprop.mesh import collectives as C
 from shardprop.tensor import permute
 from shardprop.tensor import steps as steps_mod
 from shardprop.tensor.layout import is_even
-from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard, has_strided, is_shard_like
 from shardprop.tensor.spec import DTensorSpec
 
 # Relative cost per byte each rank moves, by collective (ring algorithms);
 # LATENCY is a fixed cost per collective, in byte-equivalents.
 COST_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce": 2.0,
-               "p2p": permute.P2P_FACTOR, "chunk": 0.0, "to_partial": 0.0}
+               "p2p": permute.P2P_FACTOR, "chunk": 0.0, "to_partial": 0.0,
+               # _StridedShard's moves (strided_steps.py): a padded all-gather and reorder, a local pick.
+               "strided_gather": 1.0, "strided_chunk": 0.0}
 LATENCY = 4096.0
 
 
@@ -88,7 +90,7 @@ def local_bytes(spec: DTensorSpec, placements) -> float:
     """Bytes of one rank's shard of ``spec`` laid out as ``placements`` (even split: a cost estimate)."""
     numel = math.prod(_hint(n) for n in spec.shape) if spec.ndim else 1
     for m, p in enumerate(placements):
-        if type(p) is Shard:
+        if is_shard_like(p):
             numel /= spec.mesh.shape[m]
     return numel * spec.dtype.itemsize
 
@@ -96,7 +98,7 @@ def local_bytes(spec: DTensorSpec, placements) -> float:
 def _step(kind: str, dims, cur: List[Placement], dst, spec: DTensorSpec) -> Step:
     dims = tuple(dims)
     k = math.prod(spec.mesh.shape[m] for m in dims)
-    if kind == "all_gather":
+    if kind in ("all_gather", "strided_gather"):
         after = list(cur)
         for m in dims:
             after[m] = Replicate()
@@ -118,6 +120,63 @@ def _changed(src, dst) -> List[bool]:
     return out
 
 
+def _changed_by_dim(src, dst) -> List[bool]:
+    """As :func:`_changed`, with ``_StridedShard``: a shard is redone when an earlier mesh dim
+    sharding the same tensor dim (plainly or strided) changes."""
+    out = []
+    for m, (s, t) in enumerate(zip(src, dst)):
+        ch = s != t
+        if not ch and is_shard_like(s):
+            ch = any(out[k] and any(is_shard_like(p) and p.dim == s.dim for p in (src[k], dst[k])) for k in range(m))
+        out.append(ch)
+    return out
+
+
+def _strided_plan(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -> Plan:
+    """The plan when either side holds a ``_StridedShard``: simple and correct before fast.
+
+    Phase 1 gathers every shard that changes, innermost mesh dim first (a strided one by
+    ``strided_gather``: all-gather then reorder), so each gather sees its parent; phase 2
+    builds the target outermost first (local chunks and picks, reduce-scatters for
+    ``Partial -> Shard``, all-reduces). No all-to-all, fused or point-to-point moves.
+    """
+    n = len(dst_placements)
+    dst = list(dst_placements)
+    cur = [dst[m] if src.mesh.shape[m] == 1 else p for m, p in enumerate(src.placements)]
+    changed = _changed_by_dim(cur, dst)
+    steps: List[Step] = []
+    for m in reversed(range(n)):
+        s = cur[m]
+        if changed[m] and is_shard_like(s):
+            steps.append(_step("strided_gather" if type(s) is _StridedShard else "all_gather", (m,), cur,
+                               (Replicate(),), src))
+            cur[m] = Replicate()
+    reduces: List[int] = []
+    for m in range(n):
+        s, t = cur[m], dst[m]
+        if s == t:
+            continue
+        if type(s) is Partial:
+            if type(t) is Shard:
+                steps.append(_step("reduce_scatter", (m,), cur, (t,), src))
+                cur[m] = t
+            elif type(t) is _StridedShard:  # reduce whole, then pick (no strided reduce-scatter)
+                steps.append(_step("all_reduce", (m,), cur, (Replicate(),), src))
+                cur[m] = Replicate()
+                steps.append(_step("strided_chunk", (m,), cur, (t,), src))
+                cur[m] = t
+            else:
+                reduces.append(m)
+            continue
+        kind = "chunk" if type(t) is Shard else "strided_chunk" if type(t) is _StridedShard else "to_partial"
+        steps.append(_step(kind, (m,), cur, (t,), src))
+        cur[m] = t
+    steps.extend(_reduce_steps(reduces, cur, dst, src))
+    steps_t = tuple(steps)
+    cost = sum(COST_FACTOR[s.kind] * s.bytes + (LATENCY if COST_FACTOR[s.kind] else 0) for s in steps_t)
+    return Plan(steps_t, cost)
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_redistribute(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -> Plan:
     """The cached plan that turns ``src`` into ``dst_placements`` on the same mesh.
@@ -126,6 +185,8 @@ def plan_redistribute(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -
         >>> plan_redistribute(spec_s0, (Replicate(),)).steps  # doctest: +SKIP
         (all_gather@[0]: [S(0)]->[R] (...),)
     """
+    if has_strided(src.placements) or has_strided(dst_placements):  # a miss only: the plan is cached
+        return _strided_plan(src, dst_placements)
     n = len(dst_placements)
     dst = list(dst_placements)
     # A mesh dim of size 1 splits nothing and reduces nothing: its placement is a label.
@@ -320,9 +381,9 @@ def transition_cost(src: Placement, dst: Placement, local_bytes: float, k: int) 
         return 0.5  # free relabel, but keeping the input as it is wins ties
     ts, td = type(src), type(dst)
     if ts is Replicate:
-        return 1.0 if td is Shard else 2.0  # local work only; prefer no change at all
-    if ts is Shard:
-        if td is Shard:
+        return 1.0 if td is Shard or td is _StridedShard else 2.0  # local work only; prefer no change at all
+    if ts is Shard or ts is _StridedShard:
+        if td is Shard and ts is Shard:
             kind, moved = "all_to_all", local_bytes * (k - 1) / k
         else:  # gather (then a local step to Partial)
             kind, moved = "all_gather", local_bytes * (k - 1)

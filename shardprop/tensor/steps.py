@@ -30,9 +30,10 @@ from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor import permute
 from shardprop.tensor.layout import chunk_bounds
 from shardprop.tensor.placement import Replicate, partial_fill
+from shardprop.tensor.strided_steps import prep_strided_chunk, prep_strided_gather
 
 # Steps after which the local tensor is a new buffer of ours (a collective's output).
-MOVES = frozenset({"all_gather", "all_to_all", "reduce_scatter", "all_reduce", "p2p"})
+MOVES = frozenset({"all_gather", "all_to_all", "reduce_scatter", "all_reduce", "p2p", "strided_gather"})
 # Steps that may reuse a caller's tensor handed over (in-place all-reduce, a view of it).
 USES_OWNED = frozenset({"all_reduce", "chunk", "to_partial", "p2p"})
 
@@ -385,7 +386,19 @@ def _prep_p2p(step, cur, spec, shape):
     return p2p, tuple(spec.local_box(dst)[0])
 
 
+def _prep_strided_gather(step, cur, spec, shape):
+    m = step.mesh_dims[0]
+    return prep_strided_gather(step, cur, spec, shape, _parent_len(spec, cur, m, cur[m].dim))
+
+
+def _prep_strided_chunk(step, cur, spec, shape):
+    m = step.mesh_dims[0]
+    return prep_strided_chunk(step, cur, spec, shape, _parent_len(spec, cur, m, step.dst[0].dim))
+
+
 _PREP = {
+    "strided_gather": _prep_strided_gather,
+    "strided_chunk": _prep_strided_chunk,
     "p2p": _prep_p2p,
     "all_gather": _prep_gather,
     "all_to_all": _prep_all_to_all,
