@@ -39,6 +39,9 @@ class Config:
     args: List[str]
     world: int = 4
     steps: int = 6
+    # torch's stack runs these instead where it cannot be the reference for ``args`` on this release
+    reference_args: Optional[List[str]] = None
+    why_reference: str = ""
 
 
 # Order of the issue: FSDP, TP x FSDP, + selective AC, + full AC, HSDP, then compile, PP, CP.
@@ -53,14 +56,24 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in [
                                 "--parallelism.tensor-parallel-degree", "2", "activation-checkpoint:full"]),
     Config("hsdp2x2", ["--parallelism.data-parallel-replicate-degree", "2",
                        "--parallelism.data-parallel-shard-degree", "2", "activation-checkpoint:none"]),
+    # torch 2.13's stack trains full_dtensor as partial_dtensor does (the same grad norm at every step) but logs
+    # world-size x the loss: its loss DTensor is Replicate, which torchtitan's _dist_reduce_tensor
+    # (distributed/utils.py:117) takes to_local and sums over the loss mesh (trainer.py:977). The reference is
+    # therefore torch's partial_dtensor run of the same mesh.
     Config("fsdp4_full_dtensor", ["--parallelism.data-parallel-shard-degree", "4",
-                                  "--parallelism.spmd-backend", "full_dtensor", "activation-checkpoint:none"]),
+                                  "--parallelism.spmd-backend", "full_dtensor", "activation-checkpoint:none"],
+           reference_args=["--parallelism.data-parallel-shard-degree", "4", "activation-checkpoint:none"],
+           why_reference="torch 2.13 logs world-size x the loss under full_dtensor"),
+    Config("fsdp4_compile", ["--parallelism.data-parallel-shard-degree", "4", "--compile.enable",
+                             "--compile.backend", "aot_eager", "--compile.components", "model",
+                             "activation-checkpoint:none"]),
     Config("tp2_fsdp2_compile", ["--parallelism.data-parallel-shard-degree", "2",
                                  "--parallelism.tensor-parallel-degree", "2", "--compile.enable",
                                  "--compile.backend", "aot_eager", "--compile.components", "model",
                                  "activation-checkpoint:none"]),
     Config("pp2_fsdp2", ["--parallelism.pipeline-parallel-degree", "2", "--parallelism.data-parallel-shard-degree",
-                         "2", "--parallelism.pipeline-parallel-schedule", "1F1B", "activation-checkpoint:none"]),
+                         "2", "--parallelism.pipeline-parallel-schedule", "1F1B", "--training.disable-cuda-graphs",
+                         "activation-checkpoint:none"]),
     Config("cp2_fsdp2", ["--parallelism.context-parallel-degree", "2", "--parallelism.data-parallel-shard-degree",
                          "2", "activation-checkpoint:none"]),
 ]}
@@ -123,13 +136,24 @@ class Result:
 
 
 def first_error(log_text: str) -> str:
-    """The first rank's exception line and the frame above it (where it comes from)."""
+    """The first rank's exception line and the frame above it (where it comes from), else how a rank died."""
     lines = log_text.splitlines()
     for i, line in enumerate(lines):
-        body = line.split("]: ", 1)[-1] if line.startswith("[rank") else line
+        if not line.startswith("[rank"):
+            continue
+        body = line.split("]: ", 1)[-1]
         if re.match(r"[A-Za-z_.]*(Error|Exception)\b", body):
             frames = [l.split("]: ", 1)[-1].strip() for l in lines[max(0, i - 12):i] if 'File "' in l]
             return (frames[-1] + " :: " if frames else "") + body.strip()
+    for line in lines:
+        if "Error parsing Config" in line:  # tyro's box
+            return line.strip(" │")
+    for i, line in enumerate(lines):
+        if line.startswith(("terminate called", "Fatal Python error")):
+            died = [l for l in lines[i:] if "failed (exitcode" in l]
+            last = [l for l in lines[:i] if l.startswith("[titan]")][-1:]
+            return f"{line.strip()} ({died[0].split('] ', 1)[-1] if died else 'a rank aborted'}; " \
+                   f"last log line before it: {last[0].split(' - ')[-1].strip() if last else '-'})"
     return ""
 
 
@@ -147,7 +171,8 @@ def run(config: Config, stack: str, workdir: str, seed_ckpt: str, python: str = 
            "--training.steps", str(config.steps),
            "--checkpoint.enable", "--checkpoint.load-only", "--checkpoint.initial-load-path", seed_ckpt,
            "--checkpoint.folder", os.path.join(workdir, f"ckpt_{tag}"),
-           "--dump-folder", os.path.join(workdir, f"out_{tag}"), *config.args]
+           "--dump-folder", os.path.join(workdir, f"out_{tag}"),
+           *(config.reference_args if stack == "torch" and config.reference_args is not None else config.args)]
     env = environment(workdir)
     env["CLIENTS_RECORD"] = record
     start = time.perf_counter()
@@ -170,14 +195,16 @@ def run(config: Config, stack: str, workdir: str, seed_ckpt: str, python: str = 
     return result
 
 
-def compare(a: Result, b: Result, atol: float = 1e-5) -> List[str]:
-    """Step-by-step loss differences beyond ``atol`` (and missing steps), as messages."""
+def compare(a: Result, b: Result, atol: float = 1e-5, grad_rtol: float = 1e-4) -> List[str]:
+    """Step-by-step differences: losses beyond ``atol``, grad norms beyond ``grad_rtol`` (relative), missing steps."""
     problems = []
     if len(a.steps) != len(b.steps):
         problems.append(f"{a.stack} logged {len(a.steps)} steps, {b.stack} {len(b.steps)}")
     for x, y in zip(a.steps, b.steps):
         if x["step"] != y["step"] or abs(x["loss"] - y["loss"]) > atol:
-            problems.append(f"step {x['step']}: {a.stack} {x['loss']!r} vs {b.stack} {y['loss']!r}")
+            problems.append(f"step {x['step']}: {a.stack} loss {x['loss']!r} vs {b.stack} {y['loss']!r}")
+        if abs(x["grad_norm"] - y["grad_norm"]) > grad_rtol * max(abs(x["grad_norm"]), 1e-12):
+            problems.append(f"step {x['step']}: {a.stack} grad norm {x['grad_norm']!r} vs {b.stack} {y['grad_norm']!r}")
     return problems
 
 
