@@ -26,8 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 LAUNCH = os.path.join(HERE, "cpu_launch.py")
 
 # torchtitan's CLI (torchtitan/config/manager.py: --module/--config, then tyro over Trainer.Config)
-BASE = ["--module", "llama3", "--config", "llama3_debugmodel",
-        "--training.seq-len", "128", "--training.local-batch-size", "2",
+BASE = ["--training.seq-len", "128", "--training.local-batch-size", "2",
         "--training.mixed-precision-param", "float32", "--training.dtype", "float32",
         "--parallelism.spmd-backend", "partial_dtensor", "--debug.seed", "42",
         "--metrics.log-freq", "1"]
@@ -42,6 +41,12 @@ class Config:
     # torch's stack runs these instead where it cannot be the reference for ``args`` on this release
     reference_args: Optional[List[str]] = None
     why_reference: str = ""
+    module: str = "llama3"
+    config: str = "llama3_debugmodel"
+
+    @property
+    def model(self) -> List[str]:
+        return ["--module", self.module, "--config", self.config]
 
 
 # Order of the issue: FSDP, TP x FSDP, + selective AC, + full AC, HSDP, then compile, PP, CP.
@@ -74,8 +79,14 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in [
     Config("pp2_fsdp2", ["--parallelism.pipeline-parallel-degree", "2", "--parallelism.data-parallel-shard-degree",
                          "2", "--parallelism.pipeline-parallel-schedule", "1F1B", "--training.disable-cuda-graphs",
                          "activation-checkpoint:none"]),
+    # CP with flex attention needs seq_len divisible by 2 * cp * the BlockMask's 128 (the later flag wins)
+    Config("moe_fsdp4", ["--parallelism.data-parallel-shard-degree", "4", "--training.disable-cuda-graphs",
+                         "activation-checkpoint:none"], module="deepseek_v3", config="deepseek_v3_debugmodel"),
+    Config("moe_ep2_fsdp4", ["--parallelism.data-parallel-shard-degree", "4", "--parallelism.expert-parallel-degree",
+                             "2", "--training.disable-cuda-graphs", "activation-checkpoint:none"], module="deepseek_v3", config="deepseek_v3_debugmodel"),
     Config("cp2_fsdp2", ["--parallelism.context-parallel-degree", "2", "--parallelism.data-parallel-shard-degree",
-                         "2", "activation-checkpoint:none"]),
+                         "2", "--training.seq-len", "512", "--parallelism.context-parallel-load-balancer", "ptrr",
+                         "activation-checkpoint:none"]),
 ]}
 
 
@@ -92,21 +103,24 @@ def environment(workdir: str) -> Dict[str, str]:
     return env
 
 
-def prepare(workdir: str, python: str = sys.executable, timeout: int = 600) -> str:
-    """Assets and the seed checkpoint under ``workdir``; returns the checkpoint's path."""
+def prepare(workdir: str, python: str = sys.executable, timeout: int = 600, config: Optional[Config] = None) -> str:
+    """Assets and the seed checkpoint of ``config``'s model (default: the debug llama3) under ``workdir``;
+    returns the checkpoint's path."""
     sys.path.insert(0, HERE)
     from assets import make_assets
 
-    make_assets(workdir)
-    seed = os.path.join(workdir, "seed")
+    config = config or next(iter(CONFIGS.values()))
+    if not os.path.exists(os.path.join(workdir, "tests", "assets", "tokenizer", "tokenizer.json")):
+        make_assets(workdir)
+    seed = os.path.join(workdir, "seed" if config.config == "llama3_debugmodel" else f"seed_{config.config}")
     step0 = os.path.join(seed, "step-0")
     if os.path.exists(os.path.join(step0, ".metadata")):
         return step0
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()), LAUNCH,
-           *BASE, "--parallelism.data-parallel-shard-degree", "1", "--checkpoint.enable",
+           *config.model, *BASE, "--parallelism.data-parallel-shard-degree", "1", "--checkpoint.enable",
            "--checkpoint.create-seed-checkpoint", "--checkpoint.folder", seed,
            "--dump-folder", os.path.join(workdir, "out_seed"), "activation-checkpoint:none"]
-    with open(os.path.join(workdir, "log_seed.txt"), "w") as log:
+    with open(os.path.join(workdir, f"log_seed_{config.config}.txt"), "w") as log:
         subprocess.run(cmd, cwd=workdir, env=environment(workdir), stdout=log, stderr=subprocess.STDOUT,
                        timeout=timeout, check=True)
     return step0
@@ -167,7 +181,7 @@ def run(config: Config, stack: str, workdir: str, seed_ckpt: str, python: str = 
         os.remove(record)
     launcher = ["-m", "shardprop.launch"] if stack == "shardprop" else []
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(config.world),
-           "--master-port", str(free_port()), *launcher, LAUNCH, *BASE,
+           "--master-port", str(free_port()), *launcher, LAUNCH, *config.model, *BASE,
            "--training.steps", str(config.steps),
            "--checkpoint.enable", "--checkpoint.load-only", "--checkpoint.initial-load-path", seed_ckpt,
            "--checkpoint.folder", os.path.join(workdir, f"ckpt_{tag}"),
@@ -226,9 +240,9 @@ def main(argv: Sequence[str]) -> int:
     names = list(argv) or list(CONFIGS)
     workdir = os.environ.get("CLIENTS_WORKDIR") or os.path.join("/tmp", f"shardprop-clients-{os.getpid()}")
     os.makedirs(workdir, exist_ok=True)
-    seed = prepare(workdir)
     rows = []
     for name in names:
+        seed = prepare(workdir, config=CONFIGS[name])
         results = [run(CONFIGS[name], stack, workdir, seed) for stack in ("torch", "shardprop")]
         rows.append(row(name, *results))
         print(rows[-1], flush=True)

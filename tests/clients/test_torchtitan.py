@@ -27,22 +27,31 @@ pytestmark = [
 ]
 
 # Configurations shardprop does not run yet: name -> what is missing (see the report).
-KNOWN_GAPS = {}
+KNOWN_GAPS = {
+    "tp2_fsdp2_compile": "dynamo cannot make shardprop's placements constants when compiled code reads a DTensor's "
+                         "placements (torchtitan/protocols/module.py:692 _redistribute_outputs; torch registers its "
+                         "own placements as opaque value types, placement_types.py:1781)",
+    "cp2_fsdp2": "torch's private context-parallel helpers are not provided (_PTRRLoadBalancer, _HeadTailLoadBalancer, "
+                 "_context_parallel_shard, flex_cp_allgather; torchtitan/distributed/context_parallel/api.py:222)",
+    "moe_ep2_fsdp4": "fully_shard with one shard mesh per parameter (ShardPlacementResult.mesh_info: experts on the "
+                     "efsdp mesh, the rest on fsdp; torchtitan/distributed/fsdp.py:297) in one unit",
+}
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     path = os.environ.get("CLIENTS_WORKDIR") or str(tmp_path_factory.mktemp("torchtitan"))
     os.makedirs(path, exist_ok=True)
-    return path, harness.prepare(path)
+    return path
 
 
 @pytest.mark.parametrize("name", list(harness.CONFIGS))
 def test_torchtitan_losses_match(workdir, name, request):
     if name in KNOWN_GAPS:
         request.applymarker(pytest.mark.xfail(reason=KNOWN_GAPS[name], strict=True))
-    path, seed = workdir
+    path = workdir
     config = harness.CONFIGS[name]
+    seed = harness.prepare(path, config=config)
     ours = harness.run(config, "shardprop", path, seed)
     reference = harness.run(config, "torch", path, seed)
     print(harness.row(name, reference, ours))
