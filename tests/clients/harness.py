@@ -152,11 +152,16 @@ class Result:
 def first_error(log_text: str) -> str:
     """The first rank's exception line and the frame above it (where it comes from), else how a rank died."""
     lines = log_text.splitlines()
+    in_traceback = False
     for i, line in enumerate(lines):
         if not line.startswith("[rank"):
             continue
         body = line.split("]: ", 1)[-1]
-        if re.match(r"[A-Za-z_.]*(Error|Exception)\b", body):
+        if body.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+            continue
+        # the exception line: the first unindented ``dotted.Name: message`` after a traceback's frames
+        if in_traceback and re.match(r"[A-Za-z_][\w.]*(: |$)", body):
             frames = [l.split("]: ", 1)[-1].strip() for l in lines[max(0, i - 12):i] if 'File "' in l]
             return (frames[-1] + " :: " if frames else "") + body.strip()
     for line in lines:
