@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: demo test test-release bench sweep install test-gpu bench-gpu
+.PHONY: demo test test-release bench sweep install test-gpu bench-gpu test-clients
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -70,3 +70,22 @@ test-gpu: $(GPU_STAMP)
 bench-gpu: $(GPU_STAMP)
 	$(GPU_PY) bench/dispatch.py --device cuda
 	$(GPU_PY) bench/tp_cuda.py
+
+# The clients tier: torchtitan's own trainer (debug llama3, fp32, 4 CPU gloo ranks under torchrun) on torch's
+# stack and through `python -m shardprop.launch`, the losses compared step by step (tests/clients/). Its own
+# venv (.venv-clients): torch 2.13.0 (CPU wheel), torchtitan 0.3.0, triton, shardprop editable. Minutes per
+# configuration; CLIENTS_PYTEST_ARGS="-k fsdp4" picks configurations, CLIENTS_WORKDIR=dir keeps the runs' logs.
+CLIENTS_VENV := .venv-clients
+CLIENTS_PY := $(CLIENTS_VENV)/bin/python
+CLIENTS_PYTEST_ARGS ?=
+
+$(CLIENTS_VENV)/.installed: pyproject.toml
+	test -x $(CLIENTS_PY) || python3 -m venv $(CLIENTS_VENV)
+	$(CLIENTS_PY) -m pip install -q torch==2.13.0
+	$(CLIENTS_PY) -m pip install -q torch==2.13.0 torchtitan==0.3.0 triton
+	$(CLIENTS_PY) -m pip install -q -e '.[test]'
+	touch $@
+
+test-clients: $(CLIENTS_VENV)/.installed
+	$(CLIENTS_PY) -c "import torch, torchtitan; print('torch', torch.__version__, 'torchtitan', torchtitan.__version__)"
+	SHARDPROP_CLIENTS=1 $(CLIENTS_PY) -m pytest -q -p no:cacheprovider -rs -s -m clients $(CLIENTS_PYTEST_ARGS) tests/clients

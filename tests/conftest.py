@@ -1,7 +1,9 @@
-"""Session-wide test setup: the `cuda` and `gpu` markers, and shutting down rank pools.
+"""Session-wide test setup: the `cuda`, `gpu` and `clients` markers, and shutting down rank pools.
 
 The CUDA tier (``make test-gpu``): `cuda` tests need one CUDA device, `gpu` tests two or more;
 both are skipped where torch sees fewer (a CPU machine, a CPU build of torch).
+The clients tier (``make test-clients``, ``SHARDPROP_CLIENTS=1``): tests/clients/ runs torchtitan's trainer
+on both stacks; without the variable it is not even collected (it needs torchtitan and takes minutes).
 """
 
 import os
@@ -10,6 +12,8 @@ import pytest
 
 from tests.rankpool import shutdown_all
 
+collect_ignore = [] if os.environ.get("SHARDPROP_CLIENTS") else ["clients"]
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs at least 2 CUDA devices; skipped otherwise")
@@ -17,6 +21,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long variants; run with SHARDPROP_SLOW=1")
     config.addinivalue_line("markers", "release: run by the release tier (SHARDPROP_RELEASE=1, make test-release) "
                                        "and with SHARDPROP_SLOW=1")
+    config.addinivalue_line("markers", "clients: the clients tier (torchtitan on torch's stack and on shardprop); "
+                                       "collected only with SHARDPROP_CLIENTS=1 (make test-clients)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,6 +36,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("release"):
                 item.add_marker(skip_release)
+    if not os.environ.get("SHARDPROP_CLIENTS"):
+        skip_clients = pytest.mark.skip(reason="clients tier: set SHARDPROP_CLIENTS=1 (make test-clients) to run")
+        for item in items:
+            if item.get_closest_marker("clients"):
+                item.add_marker(skip_clients)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     cuda_items = [item for item in items if item.get_closest_marker("cuda") and not item.get_closest_marker("gpu")]
     if not gpu_items and not cuda_items:

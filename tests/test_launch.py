@@ -100,3 +100,28 @@ def test_torch_program_through_the_launcher_equals_torch():
     assert torch_run["dtensor"].startswith("torch.") and ours["dtensor"].startswith("shardprop.")
     assert ours["is_dtensor"] and ours["replicate"]
     assert ours["losses"] == pytest.approx(torch_run["losses"], abs=1e-5), (ours["losses"], torch_run["losses"])
+
+
+def _torch_manual_seed_per_stage():
+    """A program's ``torch.distributed.tensor._random.manual_seed(seed + stage, world_mesh)``: torch's semantics."""
+    import torch
+    import torch.distributed as dist
+    with redirect_torch_imports():
+        got = _run_as("user_program", "from torch.distributed.tensor._random import manual_seed")
+    mesh = shardprop.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_local_rank("pp")
+    got["manual_seed"](1234 + stage, mesh)  # seeds differ across the mesh: torch does not check, neither do we
+    drawn = torch.rand(3).tolist()
+    expected = torch.Generator().manual_seed(1234 + stage)
+    mismatch_refused = False
+    try:  # shardprop's own manual_seed keeps its check
+        shardprop.manual_seed(1234 + stage, mesh)
+    except RuntimeError as e:
+        mismatch_refused = "different seeds" in str(e)
+    return drawn == torch.rand(3, generator=expected).tolist(), mismatch_refused, dist.get_rank()
+
+
+@pytest.mark.timeout(120)
+def test_torch_manual_seed_name_does_not_require_equal_seeds():
+    from tests.rankpool import run_on_ranks
+    assert run_on_ranks(4, _torch_manual_seed_per_stage) == [(True, True, r) for r in range(4)]

@@ -95,6 +95,28 @@ def manual_seed(seed: int, mesh) -> None:
     if seen != mine.tolist():
         raise RuntimeError(f"manual_seed: ranks of {mesh} passed different seeds (this rank: {seed}); "
                            "every rank must pass the same seed")
+    _seed_device_generator(seed, mesh)
+
+
+def manual_seed_as_torch(seed: int, mesh) -> None:
+    """``torch.distributed.tensor._random.manual_seed``'s semantics: seed this rank's generator, no cross-rank check.
+
+    What the launcher gives programs written for torch. torch documents that its ``manual_seed`` does not check
+    the seed, and trainers rely on it: with pipeline parallelism they pass the world mesh with a seed that differs
+    per pipeline stage. The rank must be in ``mesh``, as torch requires.
+    :func:`manual_seed` (shardprop's own name) checks that every rank passed the same seed.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 2))  # doctest: +SKIP
+        >>> manual_seed_as_torch(1234 + stage, mesh)  # doctest: +SKIP
+    """
+    seed = int(seed) % 2 ** 64
+    if mesh._coord is None:
+        raise RuntimeError(f"manual_seed requires the current rank to be a part of the device mesh {mesh}")
+    _seed_device_generator(seed, mesh)
+
+
+def _seed_device_generator(seed: int, mesh) -> None:
     if mesh.device_type == "cuda":
         torch.cuda.manual_seed(seed)
     elif mesh.device_type == "cpu":

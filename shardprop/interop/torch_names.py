@@ -52,7 +52,8 @@ TABLE: Dict[str, Dict[str, str]] = {
     "torch.distributed.tensor.experimental._attention": {n: NOT_PROVIDED for n in (
         "_HeadTailLoadBalancer", "_PTRRLoadBalancer", "_context_parallel_shard", "_enable_context_parallel_dispatcher")},
     "torch.distributed.tensor.experimental._context_parallel._attention": {"flex_cp_allgather": NOT_PROVIDED},
-    "torch.distributed.tensor._random": {"manual_seed": "shardprop:manual_seed"},
+    # torch's manual_seed does not check that ranks agree (trainers seed each pipeline stage differently)
+    "torch.distributed.tensor._random": {"manual_seed": "shardprop.dispatch.random_ops:manual_seed_as_torch"},
     "torch.distributed.device_mesh": _DEVICE_MESH,
     "torch.distributed.fsdp": {**_FSDP, "DataParallelMeshDims": "shardprop.parallel.fsdp:DataParallelMeshDims"},
     "torch.distributed._composable.fsdp": _FSDP,
