@@ -109,8 +109,6 @@ class ToLocal(torch.autograd.Function):
         return _dt.DTensor(grad, spec, requires_grad=False), None
 
 
-# torch's count of the references to a tensor's storage (private; absent: never guess "sole owner").
-_storage_use_count = compat.storage_use_count
 
 
 class _RefProbe:
@@ -128,8 +126,9 @@ def _refcounts_as_expected() -> bool:
     return held.refs() == 3 and _RefProbe().refs() == 2
 
 
-if not _refcounts_as_expected():
-    _storage_use_count = None
+# Whether the hand-over test can run here: torch counts storage references (private; absent: never guess
+# "sole owner"), and CPython counts references as the test expects.
+_CAN_HAND_OVER = compat.storage_use_count is not None and _refcounts_as_expected()
 
 
 def _sole_owner(dt) -> bool:
@@ -141,7 +140,7 @@ def _sole_owner(dt) -> bool:
     result autograd saved for backward each hold it). Anything unusual answers False: a
     wrong True silently changes a tensor someone still uses.
     """
-    if _storage_use_count is None or dt._view_base is not None:
+    if not _CAN_HAND_OVER or dt._view_base is not None:
         return False
     local = dt._local_tensor
     if type(local) is not torch.Tensor or local.requires_grad:

@@ -151,8 +151,15 @@ def _strided_plan(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -> Pl
             steps.append(_step("strided_gather" if type(s) is _StridedShard else "all_gather", (m,), cur,
                                (Replicate(),), src))
             cur[m] = Replicate()
+    return _build_target(steps, cur, dst, src)
+
+
+def _build_target(steps: List[Step], cur: list, dst: list, src: DTensorSpec) -> Plan:
+    """Phase 2 of both planners, after the gathers: build the target outermost first (local chunks and
+    strided picks, reduce-scatters for ``Partial -> Shard``); all-reduces wait till the end. The plan and its price.
+    """
     reduces: List[int] = []
-    for m in range(n):
+    for m in range(len(dst)):
         s, t = cur[m], dst[m]
         if s == t:
             continue
@@ -165,7 +172,7 @@ def _strided_plan(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -> Pl
                 cur[m] = Replicate()
                 steps.append(_step("strided_chunk", (m,), cur, (t,), src))
                 cur[m] = t
-            else:
+            else:  # to Replicate, or to another reduce op (reduce fully, then re-partial)
                 reduces.append(m)
             continue
         kind = "chunk" if type(t) is Shard else "strided_chunk" if type(t) is _StridedShard else "to_partial"
@@ -213,24 +220,7 @@ def plan_redistribute(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -
     steps = _fuse_gathers(steps, gathers, src)
 
     # Phase 2: build the target, outermost first; all-reduces wait till the end.
-    reduces: List[int] = []
-    for m in range(n):
-        s, t = cur[m], dst[m]
-        if s == t:
-            continue
-        if type(s) is Partial:
-            if type(t) is Shard:
-                steps.append(_step("reduce_scatter", (m,), cur, (t,), src))
-                cur[m] = t
-            else:  # to Replicate, or to another reduce op (reduce fully, then re-partial)
-                reduces.append(m)
-            continue
-        steps.append(_step("chunk" if type(t) is Shard else "to_partial", (m,), cur, (t,), src))
-        cur[m] = t
-    steps.extend(_reduce_steps(reduces, cur, dst, src))
-    steps_t = tuple(steps)
-    cost = sum(COST_FACTOR[s.kind] * s.bytes + (LATENCY if COST_FACTOR[s.kind] else 0) for s in steps_t)
-    plan = Plan(steps_t, cost)
+    plan = _build_target(steps, cur, dst, src)
     p2p = p2p_plan(src, dst_placements, plan)
     return p2p if p2p is not None and p2p.cost < plan.cost else plan
 
