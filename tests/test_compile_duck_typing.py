@@ -125,3 +125,42 @@ def test_mesh_methods_read_inside_compiled_code_as_in_eager():
         wrong = {k: v for k, v in reads.items() if v[0] != v[1]}
         assert not wrong, wrong
         assert len(reads) >= 14
+
+
+# ---------------------------------------------------------------- placements read inside compiled code
+class _PlacementReader(torch.nn.Module):
+    """torchtitan's output check (protocols/module.py _redistribute_outputs): read the placements of a DTensor
+    made inside the graph, compare them with expected ones, read ``dim``, and redistribute on the answer."""
+
+    def __init__(self, P, mesh):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        P.parallelize_module(self, mesh, {"lin": P.ColwiseParallel(use_local_output=False)})
+        self.P, self.mesh = P, mesh
+
+    def forward(self, x):
+        P, y = self.P, self.lin(x)
+        p = y.placements
+        answers = [isinstance(p[0], P.Shard), isinstance(p[0], P.Replicate), p[0] == P.Shard(1), p[0] != P.Shard(0),
+                   p == (P.Shard(1),), p[0].is_shard(), p[0].is_shard(1), p[0].is_replicate(), p[0].is_partial(),
+                   p[0].dim, len(p), hash(p[0]) == hash(P.Shard(1))]
+        if isinstance(p[0], P.Shard) and p[0].dim == 1:
+            y = y.redistribute(self.mesh, [P.Replicate()])
+        return y.to_local() * 2, answers, [q == P.Replicate() for q in y.placements]
+
+
+def _placement_reads():
+    import shardprop as P
+    torch.manual_seed(0)
+    mesh = P.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    module, x = _PlacementReader(P, mesh), torch.randn(4, 8)
+    eager = module(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)(x)
+    return eager[1:], compiled[1:], float((eager[0] - compiled[0]).detach().abs().max())
+
+
+def test_placements_of_an_in_graph_dtensor_read_inside_compiled_code_as_in_eager():
+    for eager, compiled, diff in run_on_ranks(2, _placement_reads):
+        assert eager[0][:3] == [True, False, True] and eager[1] == [True], eager
+        assert compiled == eager and diff == 0.0, (eager, compiled)

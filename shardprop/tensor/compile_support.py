@@ -91,6 +91,19 @@ def _register_mesh(dynamo) -> None:
     compat.register_opaque_value(DeviceMesh, _MESH_READS)
 
 
+# What compiled user code asks of a placement read from a DTensor (torchtitan compares them and reads ``dim``
+# before redistributing): answered on the real placement while tracing.
+_PLACEMENT_READS = ("is_shard", "is_replicate", "is_partial", "__eq__", "__ne__", "__hash__", "dim",
+                    "split_factor", "reduce_op")
+
+
+def _register_placements(dynamo) -> None:
+    from shardprop.tensor.placement import Partial, Replicate, Shard, _StridedShard
+    # The concrete classes only: the base has no instances (and no ``__eq__`` of its own to guard with).
+    for cls in (Shard, _StridedShard, Replicate, Partial):
+        compat.register_opaque_value(cls, [m for m in _PLACEMENT_READS if hasattr(cls, m)])
+
+
 def _run(fn: Callable, what: str, dynamo) -> None:
     # Never let a registration's failure escape: it would run inside torch's own import.
     try:
@@ -183,6 +196,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 when_dynamo_loads(_register_mesh, "registering DeviceMesh as an opaque value type")
+when_dynamo_loads(_register_placements, "registering the placements as opaque value types")
 
 
 def _register_uneven_all_to_all(dynamo) -> None:

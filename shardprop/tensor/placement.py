@@ -5,14 +5,16 @@ list of them reads like ``[S(0), R]``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from shardprop.mesh import compat
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 # Other spellings a user may give (torch.distributed.ReduceOp calls it PRODUCT; torch.prod "prod").
 _ALIASES = {"prod": "product"}
 
 
-class Placement:
+class Placement(compat.OpaqueValueBase):  # the base lets compiled code hold a placement as a value
     """Base of Shard, _StridedShard, Replicate and Partial."""
 
     __slots__ = ()
@@ -28,6 +30,16 @@ class Placement:
     def is_partial(self) -> bool:
         """True for Partial."""
         return False
+
+    def __fx_repr__(self):
+        """How generated graph code names this placement (torch.compile's opaque value-type protocol).
+
+        Compiled code that reads a DTensor's placements holds them as constants (guarded by ``==``);
+        the class travels under a name of its own so it never collides with torch's ``Shard``.
+        """
+        cls = type(self)
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"_shardprop_{cls.__name__}({args})", {f"_shardprop_{cls.__name__}": cls}
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,9 +28,6 @@ pytestmark = [
 
 # Configurations shardprop does not run yet: name -> what is missing (see the report).
 KNOWN_GAPS = {
-    "tp2_fsdp2_compile": "dynamo cannot make shardprop's placements constants when compiled code reads a DTensor's "
-                         "placements (torchtitan/protocols/module.py:692 _redistribute_outputs; torch registers its "
-                         "own placements as opaque value types, placement_types.py:1781)",
     "cp2_fsdp2": "torch's private context-parallel helpers are not provided (_PTRRLoadBalancer, _HeadTailLoadBalancer, "
                  "_context_parallel_shard, flex_cp_allgather; torchtitan/distributed/context_parallel/api.py:222)",
     "moe_ep2_fsdp4": "fully_shard with one shard mesh per parameter (ShardPlacementResult.mesh_info: experts on the "
