@@ -60,7 +60,7 @@ def test_torchtitan_losses_match(workdir, name, request):
     assert any(t.startswith("shardprop.") for t in ours.parameter_types), \
         f"the launched run did not train shardprop's DTensors: {ours.parameter_types}"
     assert len(ours.steps) == config.steps, ours.steps
-    problems = harness.compare(reference, ours, atol=1e-5)
+    problems = harness.compare(reference, ours, atol=config.atol, grad_rtol=config.grad_rtol)
     assert not problems, "\n".join(problems)
 
 
