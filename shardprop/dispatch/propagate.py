@@ -376,6 +376,56 @@ def _unstrided(a):
     return a
 
 
+def _as_shard(a):
+    """``a`` (a schema's args or kwargs) with every ``_StridedShard`` of every spec as the ``Shard`` of its dim."""
+    if type(a) is DTensorSpec:
+        return a.with_placements(Shard(p.dim) if type(p) is _StridedShard else p for p in a.placements) \
+            if has_strided(a.placements) else a
+    if type(a) is tuple:
+        return tuple(_as_shard(x) for x in a)
+    return a
+
+
+# Elementwise in effect but without torch's ``pointwise`` tag: an output element is made from the inputs'
+# elements at its own index (or from none). Random ``*_like`` ops are not: their values depend on the layout.
+_ELEMENTWISE_UNTAGGED = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "_to_copy", "copy",
+                                   "copy_", "fill", "fill_", "zero", "zero_", "detach", "alias"})
+
+
+def _is_pointwise(op) -> bool:
+    """Each output element depends on the inputs' elements at its index only (torch's ``pointwise`` tag)."""
+    return torch.Tag.pointwise in op.tags or op.overloadpacket.__name__ in _ELEMENTWISE_UNTAGGED
+
+
+def _takes_strided(op) -> bool:
+    """Whether ``op``'s rule places strided inputs itself (foreach ops answer per element, each element
+    coming back here; fused optimizers keep each parameter's layout)."""
+    r = registry.lookup(op)
+    return r is not None and r.strided
+
+
+def _same_layout_pointwise(schema: OpSchema, cached: bool, check_out: bool) -> Optional[OutputSharding]:
+    """A pointwise op whose DTensor inputs share one strided layout: computed element by element on aligned
+    locals, the layout stays (no gather; in place too: the optimizer's updates of fully_shard-ed experts).
+
+    The rule answers for the same layout with each strided mesh dim as the plain ``Shard`` of its dim; its
+    answer is taken when it keeps the inputs as they are and gives the outputs that layout, which for a
+    pointwise op is exact whatever order the shard's elements are in. None: the gather path decides.
+    """
+    specs = PropContext(schema, cached).specs
+    if not _is_pointwise(schema.op) or any(s != specs[0] for s in specs[1:]):
+        return None
+    out = _propagate_uncounted(OpSchema(schema.op, _as_shard(schema.args), _as_shard(schema.kwargs)),
+                               cached, check_out)
+    plain = _as_shard(specs[0]).placements
+    if out.needs_redistribute or out.local_call is not None or out.outside or \
+            any(o is not None and o.placements != plain for o in out.out_specs):
+        return None
+    strided = specs[0].placements
+    return dataclasses.replace(out, in_specs=tuple(specs), out_specs=tuple(
+        None if o is None else o.with_placements(strided) for o in out.out_specs))
+
+
 def _via_replicate(schema: OpSchema, cached: bool, check_out: bool) -> OutputSharding:
     """Propagation for inputs with a ``_StridedShard``: the rule sees those mesh dims replicated.
 
@@ -400,8 +450,9 @@ def _via_replicate(schema: OpSchema, cached: bool, check_out: bool) -> OutputSha
 
 def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool = True) -> OutputSharding:
     op = schema.op
-    if any(has_strided(s.placements) for s in schema.specs):  # a miss only: the cache-hit path never gets here
-        return _via_replicate(schema, cached, check_out)
+    if any(has_strided(s.placements) for s in schema.specs) and not _takes_strided(op):
+        # a miss only: the cache-hit path never gets here
+        return _same_layout_pointwise(schema, cached, check_out) or _via_replicate(schema, cached, check_out)
     ctx = PropContext(schema, cached)
     if not ctx.specs:
         raise ShardingError(f"{op}: called with no DTensor inputs")
