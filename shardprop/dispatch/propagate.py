@@ -27,7 +27,8 @@ from shardprop.dispatch.op_schema import (
     ScalarTensor,
     _Marker,
 )
-from shardprop.tensor.placement import Replicate, Shard, _StridedShard, has_strided
+from shardprop.dispatch.strided_inputs import is_pointwise, unstrided
+from shardprop.tensor.placement import Replicate, Shard, has_strided
 from shardprop.tensor.redistribute import (
     local_bytes,
     plan_redistribute,
@@ -366,58 +367,23 @@ def propagate_uncached(schema: OpSchema) -> OutputSharding:
     return _propagate_uncounted(schema, cached=False)
 
 
-def _unstrided(a):
-    """``a`` (a schema's args or kwargs) with every ``_StridedShard`` of every spec as ``Replicate``."""
-    if type(a) is DTensorSpec:
-        return a.with_placements(Replicate() if type(p) is _StridedShard else p for p in a.placements) \
-            if has_strided(a.placements) else a
-    if type(a) is tuple:
-        return tuple(_unstrided(x) for x in a)
-    return a
-
-
-def _as_shard(a):
-    """``a`` (a schema's args or kwargs) with every ``_StridedShard`` of every spec as the ``Shard`` of its dim."""
-    if type(a) is DTensorSpec:
-        return a.with_placements(Shard(p.dim) if type(p) is _StridedShard else p for p in a.placements) \
-            if has_strided(a.placements) else a
-    if type(a) is tuple:
-        return tuple(_as_shard(x) for x in a)
-    return a
-
-
-# Elementwise in effect but without torch's ``pointwise`` tag: an output element is made from the inputs'
-# elements at its own index (or from none). Random ``*_like`` ops are not: their values depend on the layout.
-_ELEMENTWISE_UNTAGGED = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "_to_copy", "copy",
-                                   "copy_", "fill", "fill_", "zero", "zero_", "detach", "alias"})
-
-
-def _is_pointwise(op) -> bool:
-    """Each output element depends on the inputs' elements at its index only (torch's ``pointwise`` tag)."""
-    return torch.Tag.pointwise in op.tags or op.overloadpacket.__name__ in _ELEMENTWISE_UNTAGGED
-
-
 def _takes_strided(op) -> bool:
-    """Whether ``op``'s rule places strided inputs itself (foreach ops answer per element, each element
-    coming back here; fused optimizers keep each parameter's layout)."""
+    """Whether ``op``'s rule places strided inputs itself (foreach: per element; fused optimizers)."""
     r = registry.lookup(op)
     return r is not None and r.strided
 
 
 def _same_layout_pointwise(schema: OpSchema, cached: bool, check_out: bool) -> Optional[OutputSharding]:
-    """A pointwise op whose DTensor inputs share one strided layout: computed element by element on aligned
-    locals, the layout stays (no gather; in place too: the optimizer's updates of fully_shard-ed experts).
-
-    The rule answers for the same layout with each strided mesh dim as the plain ``Shard`` of its dim; its
-    answer is taken when it keeps the inputs as they are and gives the outputs that layout, which for a
-    pointwise op is exact whatever order the shard's elements are in. None: the gather path decides.
-    """
+    """A pointwise op whose DTensor inputs share one strided layout runs on the aligned locals and keeps it
+    (in place too: optimizer updates of fully_shard-ed experts). The rule answers with each strided mesh dim
+    as the ``Shard`` of its dim; taken when it keeps inputs and outputs so (exact for a pointwise op,
+    whatever the order of the shard's elements). None: the gather path decides."""
     specs = PropContext(schema, cached).specs
-    if not _is_pointwise(schema.op) or any(s != specs[0] for s in specs[1:]):
+    if not is_pointwise(schema.op) or any(s != specs[0] for s in specs[1:]):
         return None
-    out = _propagate_uncounted(OpSchema(schema.op, _as_shard(schema.args), _as_shard(schema.kwargs)),
+    out = _propagate_uncounted(OpSchema(schema.op, unstrided(schema.args, True), unstrided(schema.kwargs, True)),
                                cached, check_out)
-    plain = _as_shard(specs[0]).placements
+    plain = unstrided(specs[0], True).placements
     if out.needs_redistribute or out.local_call is not None or out.outside or \
             any(o is not None and o.placements != plain for o in out.out_specs):
         return None
@@ -434,7 +400,7 @@ def _via_replicate(schema: OpSchema, cached: bool, check_out: bool) -> OutputSha
     so only misses come here. A strided in-place target or ``out=`` cannot be written through
     a gathered copy: refused.
     """
-    plain = OpSchema(schema.op, _unstrided(schema.args), _unstrided(schema.kwargs))
+    plain = OpSchema(schema.op, unstrided(schema.args), unstrided(schema.kwargs))
     out = _propagate_uncounted(plain, cached, check_out)
     specs = PropContext(schema, cached).specs
     written = [v for k, v in schema.kwargs if k in written_kwargs(schema.op)]
