@@ -88,4 +88,5 @@ $(CLIENTS_VENV)/.installed: pyproject.toml
 
 test-clients: $(CLIENTS_VENV)/.installed
 	$(CLIENTS_PY) -c "import torch, torchtitan; print('torch', torch.__version__, 'torchtitan', torchtitan.__version__)"
+	$(CLIENTS_PY) -m pytest -q -p no:cacheprovider tests/test_fsdp_spmd_types.py  # needs spmd_types (this venv has it)
 	SHARDPROP_CLIENTS=1 $(CLIENTS_PY) -m pytest -q -p no:cacheprovider -rs -s -m clients $(CLIENTS_PYTEST_ARGS) tests/clients

@@ -64,6 +64,10 @@ class ParamSlot:
     keep_dims: tuple = ()
     # Other (module, name) owners of the same parameter (tied weights in one unit): swapped along.
     aliases: list = field(default_factory=list)
+    # spmd_types' parameters: the module computes on the plain tp-local piece, and its gradient is a
+    # partial sum over these mesh dims of ``tp_spec`` (R-annotated model-parallel axes).
+    plain_compute: bool = False
+    grad_sum_dims: tuple = ()
 
     def owners(self):
         """Every (module, name) that registers this parameter."""
@@ -152,7 +156,7 @@ class UnitBuffers:
     def full_param(self, s: ParamSlot) -> torch.nn.Parameter:
         """The leaf ``s``'s module computes with: a view of the full buffer (a DTensor on the tp mesh on 2-D)."""
         full = self.full_view(s)
-        if s.tp_spec is None:
+        if s.tp_spec is None or s.plain_compute:
             return torch.nn.Parameter(full, requires_grad=s.requires_grad)
         t = s.tp_spec
         spec = DTensorSpec(t.mesh, t.placements, TensorMeta(t.shape, t.tensor_meta.stride, full.dtype))

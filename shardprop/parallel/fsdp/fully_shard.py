@@ -41,6 +41,7 @@ from shardprop.parallel.fsdp.api import CPUOffloadPolicy, DataParallelMeshDims, 
 from shardprop.parallel.fsdp.hooks import post_forward, pre_forward
 from shardprop.parallel.fsdp.mesh_info import check_spmd_param, plan_dp_mesh_dims
 from shardprop.parallel.fsdp.module import FSDPModule
+from shardprop.parallel.fsdp.spmd_types_params import as_storage
 from shardprop.parallel.fsdp.unit import FSDPUnit
 from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
@@ -322,9 +323,14 @@ def _compute_device(mesh, offload: bool, first):
 
 
 def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
-    """(local tensor to shard, dim dp splits, sharded spec, spec of the full DTensor or None, dims kept in grads)."""
+    """(local tensor to shard, dim dp splits, sharded spec, spec of the full DTensor or None, dims kept in grads,
+    and for a parameter annotated by spmd_types the model-parallel dims its gradient is summed over, else None)."""
     D = dp_mesh.size()
     if plan is not None:
+        annotated = as_storage(fqn, p, plan) if plan.other else None  # spmd_types' plain pieces
+        if annotated is not None:
+            local, sdim, spec, tp_spec, keep, _ = _layout(fqn, annotated[0], fn, dp_mesh, spec_mesh, rep_mesh, plan)
+            return local, sdim, spec, tp_spec, keep, annotated[1]
         check_spmd_param(fqn, p, plan)
     if isinstance(p, DTensor) and (plan is None or plan.other):
         if plan is None:
@@ -347,7 +353,7 @@ def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
         placements = [None, None]
         placements[dp_at], placements[1 - dp_at] = dp_pl, tp_pl
         keep = plan.dp_dims if plan is not None else ()
-        return local, sdim, make_spec(parent, placements, p.shape, dtype=p.dtype), p._spec, keep
+        return local, sdim, make_spec(parent, placements, p.shape, dtype=p.dtype), p._spec, keep, None
     full_spec, keep = None, ()
     if isinstance(p, DTensor):  # dp_mesh_dims, data-parallel dims only: Replicate everywhere, local = whole
         local, full_spec, keep = p._local_tensor.detach(), p._spec, plan.dp_dims
@@ -355,7 +361,7 @@ def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
         local = p.detach()
     sdim = _placement_dim(fn, fqn, p, D, dp_mesh, local)
     placements = [Shard(sdim)] if rep_mesh is None else [Replicate(), Shard(sdim)]
-    return local, sdim, make_spec(spec_mesh, placements, p.shape, dtype=p.dtype), full_spec, keep
+    return local, sdim, make_spec(spec_mesh, placements, p.shape, dtype=p.dtype), full_spec, keep, None
 
 
 def _build_unit(roots, params, meshes, plan, fn, reshard_after_forward, mp_policy, offload_policy) -> FSDPUnit:
@@ -384,9 +390,10 @@ def _build_unit(roots, params, meshes, plan, fn, reshard_after_forward, mp_polic
     for m, name, fqn, p, aliases in params:
         if p.ndim == 0:
             raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
-        local, sdim, spec, tp_spec, keep = _layout(fqn, p, fn, dp_mesh, spec_mesh, rep_mesh, plan)
+        local, sdim, spec, tp_spec, keep, summed = _layout(fqn, p, fn, dp_mesh, spec_mesh, rep_mesh, plan)
         slots.append(ParamSlot(m, name, fqn, None, local.shape, sdim, D, me, p.dtype, p.requires_grad,
-                               tp_spec=tp_spec, keep_dims=tuple(keep), aliases=aliases))
+                               tp_spec=tp_spec, keep_dims=tuple(keep), aliases=aliases,
+                               plain_compute=summed is not None, grad_sum_dims=summed or ()))
         sources.append(local)
         specs.append(spec)
     dtypes = {s.orig_dtype for s in slots}

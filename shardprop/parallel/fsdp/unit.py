@@ -411,6 +411,8 @@ class FSDPUnit:
             if tuple(g._spec.placements) != want:
                 g = g.redistribute(s.tp_spec.mesh, want)
             g = wait_all(g._local_tensor)
+        elif s.grad_sum_dims:  # spmd_types: R on a model-parallel axis has a partial (P) gradient there
+            g = C.all_reduce(g, s.tp_spec.mesh, s.grad_sum_dims, "sum")
         return g
 
     def _launch_reduce(self) -> None:
