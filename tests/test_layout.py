@@ -376,3 +376,10 @@ def test_the_table_check_can_fail():
            "_FLAGS = set()\n_MAY_COPY = {1, 2}\n_BY_OP = {k: 1 for k in ()}\n_listeners = []\nN = 3\n"
            "class C:\n    T = dict()\n@functools.lru_cache(maxsize=8)\ndef f(op):\n    local = {}\n")
     assert tables(src) == ["entries", "_SPECIAL", "_FLAGS", "_MAY_COPY", "_BY_OP", "T", "f()"]
+
+
+def test_modules_keep_state_in_one_pattern():
+    # A module's mutable state is a shardprop.mesh.state.module_state object, not a class of its own.
+    import re
+    bad = [m for m, p in _modules().items() if re.search(r"^class _State\b", p.read_text(), re.M)]
+    assert not bad, f"modules with their own _State class (use shardprop.mesh.state.module_state): {bad}"

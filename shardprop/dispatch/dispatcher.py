@@ -25,7 +25,6 @@ from shardprop.dispatch.plain_tensors import (  # noqa: F401  (PlainTensorError,
 )
 from shardprop.dispatch.registry import (  # noqa: F401  (the dispatcher's own names for them)
     call_counts,
-    clear_memos,
     register_positionwise,
     register_special,
     reset_counts,

@@ -253,7 +253,7 @@ def reset_miss_counts() -> None:
 
 
 def clear_memos() -> None:
-    """Forget every op's remembered propagation answers (with the propagation cache)."""
+    """Forget every op's remembered propagation answers (``answers.cache.clear``, which also recounts)."""
     for e in entries.values():
         e.memo.clear()
 
