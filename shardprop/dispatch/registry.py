@@ -71,7 +71,7 @@ class OpEntry:
     - ``written``: names of the keyword-only arguments it writes into; ``alias``: 'self', 'out' or None;
     - ``call``: the fastest callable that runs it on plain tensors (``method_calls``);
     - ``hash``: ``hash(op)`` once; ``memo``: (arg keys, kwarg keys) -> OutputSharding, the op's share
-      of the propagation cache (the only one: see ``propagate.cache``);
+      of the propagation cache (the only one: see ``answers.cache``);
     - counters: ``calls`` (dispatcher calls), ``misses`` (propagations), ``inserted`` (those that
       succeeded), ``miss_seconds`` (time spent propagating).
 
@@ -176,7 +176,8 @@ def special_handler(op):
 def register_special(op, handler, *, outside_safe: bool = False) -> None:
     """Route ``op`` to ``handler(op, args, kwargs)`` instead of the rule-based path.
 
-    ``outside_safe``: the handler communicates nothing itself, so it runs as is on a rank
+    ``outside_safe``: the handler communicates nothing itself (a local read, or a decomposition whose ops
+    come back through the dispatcher), so it runs as is on a rank
     outside the mesh (else such a rank takes ``outside``'s no-op path, see the dispatcher's ``_special_outside``).
 
     Example:
@@ -296,7 +297,9 @@ def rule(*ops, per_dim: bool = True):
 
 
 def register_local_call(op, fn: Callable) -> None:
-    """Run ``op`` on the shards with ``fn(op, out, largs, lkwargs)`` instead of ``op(*largs, **lkwargs)``.
+    """Run ``op`` on the shards with ``fn(op, out, largs, lkwargs)`` instead of ``op(*largs, **lkwargs)``,
+    where the plain call with the global arguments is wrong (sizes given globally, a masked lookup on a
+    vocab shard). Chosen once per schema, at propagation.
 
     ``out`` is the OutputSharding (its ``in_specs``/``out_specs`` say what this rank holds).
 
@@ -309,7 +312,9 @@ def register_local_call(op, fn: Callable) -> None:
 
 
 def register_output_meta(op, fn: Callable) -> None:
-    """Infer ``op``'s output shapes with ``fn`` on meta tensors instead of the op's own meta kernel.
+    """Infer ``op``'s output shapes with ``fn`` on meta tensors instead of the op's own meta kernel, for ops
+    whose meta kernel is stricter than their device kernels (``_grouped_mm``'s meta accepts bf16 only, its
+    CPU kernel float32 too).
 
     Example:
         >>> register_output_meta(aten._grouped_mm.default, grouped_mm_meta)  # doctest: +SKIP
