@@ -56,7 +56,6 @@ import statistics
 import sys
 import time
 import warnings
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -64,20 +63,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
+# Shared with tp_compile.py, tp_vs_floor.py and fsdp.py (kept importable from here too).
+from tp_common import add_model_args, print_targets, time_interleaved, timed_step, torch_styles  # noqa: E402,F401
 
 WORLD = 4
 MESHES = {"tp4": (4,), "dp2xtp2": (2, 2)}
 LOSS_RTOL = 1e-4
-
-
-def torch_styles() -> SimpleNamespace:
-    """The reference's styles and placements under the names :func:`tp_plan` uses."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
-    return SimpleNamespace(Shard=Shard, Replicate=Replicate, ColwiseParallel=ColwiseParallel,
-                           RowwiseParallel=RowwiseParallel, SequenceParallel=SequenceParallel,
-                           PrepareModuleInput=PrepareModuleInput)
 
 
 def _cfg(args):
@@ -173,48 +164,6 @@ def _count_ref(c, i):
         kind = kind.replace("_c10d_functional", "").strip("_") or str(op)
         counts[kind] = counts.get(kind, 0) + n
     return dict(sorted(counts.items()))
-
-
-def add_model_args(ap) -> None:
-    """The demo model's size and data options, shared by the TP, compiled and fully_shard benchmarks."""
-    for name, default in (("dim", 64), ("layers", 2), ("heads", 4), ("vocab", 256), ("seq", 32), ("batch", 8),
-                          ("seed", 0)):
-        ap.add_argument(f"--{name}", type=int, default=default)
-
-
-def print_targets(targets: str, misses: list) -> list:
-    """Print whether a benchmark met its targets (and each miss); return the misses."""
-    print(f"\ntargets ({targets}): " + ("all met" if not misses else "missed:"))
-    for m in misses:
-        print(m)
-    return misses
-
-
-def time_interleaved(cs, warmup: int, reps: int):
-    """Warm up, then time each contender's ``step`` in turn, ``reps`` rounds (ms, max over ranks).
-
-    Returns (samples per contender, the next step index). Every timed step starts after a barrier.
-    """
-    for w in range(1, warmup):
-        for c in cs.values():
-            c.step(w)
-    step = warmup
-    samples = {name: [] for name in cs}
-    for _ in range(reps):
-        for name, c in cs.items():
-            samples[name].append(timed_step(c, step))
-        step += 1
-    return samples, step
-
-
-def timed_step(c, i: int) -> float:
-    """``c.step(i)`` after a barrier: its time in ms, the max over ranks."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    c.step(i)
-    el = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(el, op=dist.ReduceOp.MAX)
-    return el.item() * 1e3
 
 
 def bench_ranks(rank, world, args):

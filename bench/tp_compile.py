@@ -48,7 +48,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
-from tp import add_model_args, print_targets  # noqa: E402
+from tp_common import add_model_args, print_targets  # noqa: E402
 from tp_floor import megatron_floor  # noqa: E402
 
 LOSS_RTOL = 1e-4

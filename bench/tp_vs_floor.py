@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _launch import launch  # noqa: E402
-from tp import add_model_args, print_targets, time_interleaved, torch_styles  # noqa: E402
+from tp_common import add_model_args, print_targets, time_interleaved, torch_styles  # noqa: E402
 from tp_floor import megatron_floor, megatron_sp_floor  # noqa: E402
 
 WORLD = 4

@@ -16,17 +16,10 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
+from shardprop.mesh.state import module_state
+
 # The counters now active (a nested counter counts too); empty means "count nothing".
-
-
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("counters",)
-
-
-state = _State()
-state.counters = ()
+state = module_state(counters=())
 
 
 class CommCounter:

@@ -55,8 +55,8 @@ class Setting:
                 return False
             raise ValueError(f"shardprop setting {self.name}: {value!r} is not a switch; "
                              f"want one of {_TRUE + _FALSE}")
-        if kind is int and value is None:
-            return None  # an unbounded size (lru_cache's maxsize=None)
+        if value is None and (kind is int or self.default is None):
+            return None  # an unbounded size (cache_size), or "decided by the backend" (the fsdp_* switches)
         return kind(value)
 
     def from_env(self, environ=os.environ):
@@ -112,6 +112,16 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("cp_rotate_method", None, ("auto", "ring", "allgather"), "auto",
             "How context-parallel attention passes key/value shards: a ring, one all-gather, or the cost "
             "model's choice."),
+    # fully_shard's collectives; unset (None): by backend, on except on CPU (gloo).
+    Setting("fsdp_gather_into_views", None, bool, None,
+            "fully_shard units all-gather in one coalesced call straight into the parameters' views (no copy; "
+            "unset: on except on CPU, where gloo's coalesced call copies and one flat gather is cheaper)."),
+    Setting("fsdp_async_gather", None, bool, None,
+            "fully_shard units all-gather asynchronously, so the next unit's gather overlaps this unit's compute "
+            "(unset: on except on CPU, where gloo holds a flat temporary while in flight)."),
+    Setting("fsdp_async_reduce", None, bool, None,
+            "fully_shard units reduce-scatter asynchronously, overlapping the rest of backward (unset: on except "
+            "on CPU, where the packed gradients would stay in the peak of every unit's backward)."),
 )
 
 BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -222,7 +232,7 @@ def render_table() -> str:
         if isinstance(s.kind, tuple):
             shown = " / ".join(repr(c) for c in s.kind) + f" (default {s.default!r})"
         elif s.kind is bool:
-            shown = "on" if s.default else "off"
+            shown = "unset" if s.default is None else "on" if s.default else "off"
         else:
             shown = f"{s.default:g}" if s.kind is float else str(s.default)
         rows.append(f"| `{s.name}` | {env} | {shown} | {s.doc} |")

@@ -179,7 +179,7 @@ def _propagate_elements(ctx, calls, held=frozenset()):
         if emulated or fixed:
             in_pl, out_pl = _choose_with(sub, emulated or _prop._op_alias(sub.op) == "self", fixed)
         else:
-            res = _prop.cache.fn(sub)
+            res = _prop.propagate(sub)
             if res.local_call is not None:
                 raise _prop.ShardingError(f"{ctx.op}: element op {sub.op} needs a custom local call; "
                                           "a fused foreach call cannot run it")

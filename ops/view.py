@@ -41,7 +41,7 @@ import torch
 
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.dispatch.propagate import ShardingError
-from shardprop.dispatch.registry import register_local_call, rule
+from shardprop.dispatch.registry import register_local_call, register_may_copy, rule
 from shardprop.tensor.placement import Replicate
 
 from .dim_maps import (
@@ -346,6 +346,9 @@ LOCAL_CALLS = {
 
 for _op, _call in LOCAL_CALLS.items():
     register_local_call(_op, _call)
+# torch documents reshape's result as "a view or a copy": a write into it need not reach the base,
+# so it is not guarded when its input had to move (the dispatcher's _copied_view).
+register_may_copy([aten.reshape.default, aten.reshape_as.default])
 
 
 # ------------------------------------------------------------------ in-place views

@@ -64,6 +64,31 @@ def test_second_identical_call_hits_and_non_tensor_args_miss():
     assert "TOTAL" in table and "aten.add.Tensor" in table and "hit rate" in table
 
 
+def _cache_bounded():
+    from shardprop import Shard, config, distribute_tensor
+    from shardprop.dispatch import propagate
+    mesh = _mesh()
+    xs = [distribute_tensor(torch.randn(4 * (i + 1), 4), mesh, [Shard(0)]) for i in range(6)]
+    sizes = []
+    with config.patch(cache_size=3):  # resizing empties the cache
+        for x in xs:  # six shapes: six misses
+            torch.relu(x)
+            sizes.append(propagate.cache_info().currsize)
+        torch.relu(xs[-1])  # a hit: nothing added
+        sizes.append(propagate.cache_info().currsize)
+    with config.patch(cache_size=0):
+        for x in xs:
+            torch.relu(x)
+        off = propagate.cache_info().currsize
+    return sizes, off, propagate.cache_info().maxsize == config.default("cache_size")
+
+
+def test_the_one_cache_keeps_within_its_size():
+    sizes, off, restored = run_on_ranks(4, _cache_bounded)[0]
+    assert sizes == [1, 2, 3, 1, 2, 3, 3], "a full cache starts over; a hit adds nothing"
+    assert off == 0 and restored
+
+
 def _propagate_cached_vs_uncached(cases):
     from shardprop import Partial, Replicate, Shard, distribute_tensor
     from shardprop.dispatch.dispatcher import _flatten

@@ -333,12 +333,9 @@ def test_fsdp_tp_2x2_mixed_precision_bf16_within_tolerance():
 
 def _gather_mode(into_views, async_gather, fn, *args):
     """Run ``fn`` with units gathering the given way (by default gloo gathers flat and synchronously)."""
-    from shardprop.parallel.fsdp import unit as fsdp_unit
-    fsdp_unit.GATHER_INTO_VIEWS, fsdp_unit.ASYNC_GATHER = into_views, async_gather
-    try:
+    from shardprop import config
+    with config.patch(fsdp_gather_into_views=into_views, fsdp_async_gather=async_gather):
         return fn(*args)
-    finally:
-        fsdp_unit.GATHER_INTO_VIEWS = fsdp_unit.ASYNC_GATHER = None
 
 
 def _into_views(fn, *args):

@@ -123,6 +123,28 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles (imports inside functions count): {cycles}"
 
 
+def bench_import_graph(folder=ROOT / "bench"):
+    """Script -> set of sibling scripts it imports (the benches run with ``bench/`` on ``sys.path``)."""
+    names = {p.stem for p in folder.glob("*.py")}
+    graph = {}
+    for path in sorted(folder.glob("*.py")):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                deps.add(node.module.split(".")[0])
+        graph[path.stem] = (deps & names) - {path.stem}
+    return graph
+
+
+def test_no_import_cycles_in_bench():
+    graph = bench_import_graph()
+    assert "_launch" in graph["tp"], "the bench import graph misses tp.py's import of _launch"
+    cycles = find_cycles(graph)
+    assert not cycles, f"import cycles between bench scripts (imports inside functions count): {cycles}"
+
+
 def test_rooms_import_only_what_the_design_allows():
     bad = []
     for mod, deps in import_graph().items():
@@ -301,3 +323,63 @@ def test_the_wiring_checks_can_fail():
     assert global_statements("x = 1\ndef f():\n    global x\n    x = 2\n") == [3]
     assert environment_reads("import os\na = os.environ.get('SHARDPROP_X', '1')\nb = os.environ['SHARDPROP_Y']\n"
                              "c = os.environ.get('HOME')\n") == [2, 3]
+
+
+# ---------------------------------------------------------------- one declaration per op
+# registry.py keeps everything about an op in its OpEntry (``entries``): a second table keyed by op
+# (a rule table, a set of flagged ops, a cache) would have to be kept in step with the entries again.
+REGISTRY = ROOT / "shardprop/dispatch/registry.py"
+_TABLE_CALLS = {"dict", "set", "frozenset", "defaultdict", "OrderedDict", "WeakKeyDictionary",
+                "WeakValueDictionary", "WeakSet", "Counter"}
+_CACHE_DECORATORS = {"lru_cache", "cache"}
+
+
+def _is_table(value) -> bool:
+    if isinstance(value, (ast.Dict, ast.Set, ast.DictComp, ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        f = value.func
+        return (f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None) in _TABLE_CALLS
+    return False
+
+
+def tables(source) -> list:
+    """Names bound to a dict or set at module or class level in ``source`` (displays, comprehensions,
+    ``dict()``/``set()``/``defaultdict()``... calls) and functions behind an ``lru_cache``/``cache``."""
+    found = []
+    tree = ast.parse(source)
+    bodies = [tree.body] + [n.body for n in tree.body if isinstance(n, ast.ClassDef)]
+    for body in bodies:
+        for node in body:
+            if isinstance(node, ast.Assign) and _is_table(node.value):
+                found += [ast.unparse(t) for t in node.targets]
+            elif isinstance(node, ast.AnnAssign) and node.value is not None and _is_table(node.value):
+                found.append(ast.unparse(node.target))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                d = d.func if isinstance(d, ast.Call) else d
+                if (d.id if isinstance(d, ast.Name) else getattr(d, "attr", None)) in _CACHE_DECORATORS:
+                    found.append(f"{node.name}()")
+    return found
+
+
+def test_registry_has_no_op_table_besides_the_entries():
+    found = tables(REGISTRY.read_text())
+    assert found == ["entries"], (
+        f"shardprop/dispatch/registry.py holds tables besides `entries`: {[t for t in found if t != 'entries']}; "
+        "declare the fact on the op's OpEntry instead (a slot, written by its registration function)")
+
+
+def test_the_table_check_can_fail():
+    src = ("import functools\nfrom typing import Dict\nentries: Dict[object, int] = {}\n_SPECIAL = {}\n"
+           "_FLAGS = set()\n_MAY_COPY = {1, 2}\n_BY_OP = {k: 1 for k in ()}\n_listeners = []\nN = 3\n"
+           "class C:\n    T = dict()\n@functools.lru_cache(maxsize=8)\ndef f(op):\n    local = {}\n")
+    assert tables(src) == ["entries", "_SPECIAL", "_FLAGS", "_MAY_COPY", "_BY_OP", "T", "f()"]
+
+
+def test_modules_keep_state_in_one_pattern():
+    # A module's mutable state is a shardprop.mesh.state.module_state object, not a class of its own.
+    import re
+    bad = [m for m, p in _modules().items() if re.search(r"^class _State\b", p.read_text(), re.M)]
+    assert not bad, f"modules with their own _State class (use shardprop.mesh.state.module_state): {bad}"

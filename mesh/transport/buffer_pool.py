@@ -29,6 +29,7 @@ import torch
 
 from shardprop.mesh import compat, config
 from shardprop.mesh.config import values as _settings
+from shardprop.mesh.state import module_state
 
 # Below this a fresh buffer is as fast (glibc reuses freed memory) and taking one from the pool
 # costs more: measured on 4 gloo ranks, a 1 MB all-gather output is 4-11% faster fresh, a 2 MB one
@@ -43,14 +44,7 @@ _lock = threading.Lock()
 _kept: "OrderedDict[int, tuple]" = OrderedDict()
 
 
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("kept_bytes",)
-
-
-_state = _State()
-_state.kept_bytes = 0
+_state = module_state(kept_bytes=0)
 # Tally for tests and benches: buffers handed out again, and fresh ones kept.
 stats = {"reused": 0, "allocated": 0}
 

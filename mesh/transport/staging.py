@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from shardprop.mesh import config
 from shardprop.mesh.config import values as _settings
+from shardprop.mesh.state import module_state
 
 DIRECT, STAGE, UNSUPPORTED = "direct", "stage", "unsupported"
 CALLS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "scatter", "all_gather_views",
@@ -59,14 +60,7 @@ TABLE: Dict[Tuple[str, str], Dict[str, str]] = {
 _MODES = ("", "cuda", "all")
 
 
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("inside",)
-
-
-_state = _State()
-_state.inside = 0  # > 0 while a staged call runs its host copy (never staged again)
+_state = module_state(inside=0)  # > 0 while a staged call runs its host copy (never staged again)
 # Staged calls by kind since the last ``stats.clear()`` (tests check that staging really ran).
 stats: Dict[str, int] = {}
 

@@ -1,9 +1,8 @@
 """Controls over the propagation cache: clear it, resize it, switch the replicate fallback.
 
-They live apart from ``propagate`` because resizing must rebind the dispatcher's reference
-to the cached function (the hot path calls it without an attribute lookup), and clearing
-must zero the dispatcher's call counters with the cache: data flows dispatcher -> propagate,
-so only a module above both may touch both.
+They live apart from ``propagate`` because clearing must zero the dispatcher's call counters
+with the cache (the answers live in each op's entry, ``answers.cache``): data flows
+dispatcher -> propagate, so only a module above both may touch both.
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ def clear_cache() -> None:
         >>> shardprop.clear_cache()  # doctest: +SKIP
     """
     propagate.cache_clear()
-    dispatcher.clear_memos()
     reset_counts()
 
 
@@ -34,11 +32,10 @@ def set_cache_size(n: int) -> None:
     Example:
         >>> shardprop.set_cache_size(1 << 20)  # doctest: +SKIP
     """
-    _config.set("cache_size", n)  # propagate's watcher resizes the cache, _resized clears the memos
+    _config.set("cache_size", n)  # the cache's watcher resizes (and empties) it, _resized zeroes the counters
 
 
 def _resized(n) -> None:
-    dispatcher.clear_memos()
     reset_counts()
 
 

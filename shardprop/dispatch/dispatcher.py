@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only  # off the hot path: cross-mesh calls only
 
+from shardprop.dispatch import answers as _answers
 from shardprop.dispatch import hooks as _hooks_mod
 from shardprop.dispatch import outside as _outside
 from shardprop.dispatch import plain_tensors as _plain
@@ -24,7 +25,6 @@ from shardprop.dispatch.plain_tensors import (  # noqa: F401  (PlainTensorError,
 )
 from shardprop.dispatch.registry import (  # noqa: F401  (the dispatcher's own names for them)
     call_counts,
-    clear_memos,
     register_positionwise,
     register_special,
     reset_counts,
@@ -39,7 +39,7 @@ from shardprop.tensor.redistribute import run_plan
 DTensor = _dt.DTensor
 _Tensor = torch.Tensor
 _make_subclass = torch.Tensor._make_wrapper_subclass
-_cache = _prop.cache  # resized in place: .fn is the cached propagate, .memo_size the per-op memo bound
+_cache = _answers.cache  # the propagation cache: each op's answers in its entry's memo, bounded in all
 _inference_mode_enabled = torch.is_inference_mode_enabled
 _TRUE = _marker("<True>")
 _FALSE = _marker("<False>")
@@ -188,78 +188,117 @@ def run(op, args, kwargs=None, compute=None, rec=None):
             lkwargs = {}
             kkey = ()
     except PlainTensorError:
-        if rec is None:
-            rec = _entry(op)
-        if rec.positionwise:
-            split = _split_positions(op, args, kwargs, compute, rec)
-            if split is not _NOT_SPLIT:
-                return split
-        args, kwargs = _plain.replicate_plain_indices(args, kwargs, rec.written)  # raises for differing ones
-        return run(op, args, kwargs, compute, rec)
+        return _run_with_plain_tensors(op, args, kwargs, compute, rec)
     if rec is None:
         rec = _entries.get(op) or _entry(op)
-    # The op's own memo answers a repeated call without building an OpSchema; a miss asks the
-    # cached propagate (which keeps the statistics) and remembers its answer here.
+    # The op's memo is the propagation cache: a hit needs no OpSchema; a miss propagates and remembers.
     key = (tuple(key), kkey)
-    memo = rec.memo
-    schema = None
     try:
-        out = memo.get(key)
+        out = rec.memo.get(key)
         if out is None:
-            out = _cache.fn(schema := OpSchema(op, key[0], kkey, rec.hash))
-            if _outside.is_outside(out):  # decided once per answer: a hit never asks
-                out = _outside.sharding_for(out)
-            size = _cache.memo_size  # a full memo starts over; none with the propagate cache off
-            if len(memo) >= size:
-                memo.clear()
-            if size:
-                memo[key] = out
+            out = _miss(op, key, rec)
     except TypeError:  # symbolic sizes (torch.compile, dynamic shapes) do not hash: propagate uncached
-        out = _prop.propagate_uncached(schema := OpSchema(op, key[0], kkey, rec.hash))
-        if _outside.is_outside(out):
-            out = _outside.sharding_for(out)
-    except _prop.MeshMismatchError:
-        if rec.positionwise:  # a list op over parameters of several meshes: one call per mesh
-            split = _split_positions(op, args, kwargs, compute, rec)
-            if split is not _NOT_SPLIT:
-                return split
-        if _all_scalars((args, kwargs)):
-            return _run_on_values(op, args, kwargs)
-        raise
+        out = _uncached(op, key, rec)
+    except _prop.MeshMismatchError as err:
+        return _run_over_meshes(op, args, kwargs, compute, rec, err)
     if out.needs_redistribute:
-        schema = schema or OpSchema(op, key[0], kkey, rec.hash)
+        schema = OpSchema(op, key[0], kkey, rec.hash)
         largs, lkwargs = _redistribute_inputs(op, args, kwargs, out, schema, rec.written)
         if rec.guard_view:
             return _copied_view(op, args, out, schema, compute or out.local_call, rec, largs, lkwargs)
     if _hooks.recorder is not None:
-        _hooks.recorder.record(schema or OpSchema(op, key[0], kkey, rec.hash), out)
+        _hooks.recorder.record(OpSchema(op, key[0], kkey, rec.hash), out)
     if compute is None or out.outside:  # outside the mesh, even a special handler's compute gives way
         compute = out.local_call
     res = rec.call(*largs, **lkwargs) if compute is None else compute(op, out, largs, lkwargs)
     returns = out.returns
     if returns == "tensor" or (returns == "view" and not _inference_mode_enabled()):
-        # wrap() inlined: the common case, on the hot path (views under inference_mode: _wrap_view)
+        # wrap() inlined: the common case, on the hot path (the other kinds: _RESULTS)
         spec = out.out_specs[0]
         m = spec.tensor_meta
         r = _make_subclass(DTensor, m.shape, strides=m.stride, dtype=m.dtype, device=res.device)
         r._local_tensor = res
         r._spec = spec
         return r
-    if returns == "view":
-        return _wrap_view(res, out, args[0], True)
-    if returns == "self":
-        base = getattr(args[0], "_view_base", None)  # a list for the _foreach_*_ ops
-        if base is not None and base() is not None:
-            raise _write_into_copy_error(op, args[0])
-        return args[0] if res is not None else None
-    if returns == "view_list":
-        return _wrap_view(res, out, args[0], False)
-    if returns == "tuple" or returns == "list":
-        wrapped = [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
-        return tuple(wrapped) if returns == "tuple" else wrapped
-    if returns == "out":
-        return _written(rec.written, kwargs)
+    return _RESULTS[returns](op, res, out, args, kwargs, rec)
+
+
+# ---------------------------------------------------------------- run's steps off the hot path
+
+
+def _miss(op, key, rec):
+    """The answer for a call the op's memo does not hold: propagated (outside the mesh: its no-op form), remembered."""
+    out = _prop.propagate_miss(OpSchema(op, key[0], key[1], rec.hash))
+    if _outside.is_outside(out):  # decided once per answer: a hit never asks
+        out = _outside.sharding_for(out)
+    _cache.remember(rec.memo, key, out)
+    return out
+
+
+def _uncached(op, key, rec):
+    """The answer for a call with symbolic sizes, which no cache can hold."""
+    out = _prop.propagate_uncached(OpSchema(op, key[0], key[1], rec.hash))
+    return _outside.sharding_for(out) if _outside.is_outside(out) else out
+
+
+def _run_with_plain_tensors(op, args, kwargs, compute, rec):
+    """run() for a call holding plain tensors: a list op split by position, or the plain tensors replicated."""
+    if rec is None:
+        rec = _entry(op)
+    if rec.positionwise:
+        split = _split_positions(op, args, kwargs, compute, rec)
+        if split is not _NOT_SPLIT:
+            return split
+    args, kwargs = _plain.replicate_plain_indices(args, kwargs, rec.written)  # raises for differing ones
+    return run(op, args, kwargs, compute, rec)
+
+
+def _run_over_meshes(op, args, kwargs, compute, rec, err):
+    """run() for a call whose DTensors live on several meshes: one call per mesh, or 0-dim values joined."""
+    if rec.positionwise:  # a list op over parameters of several meshes: one call per mesh
+        split = _split_positions(op, args, kwargs, compute, rec)
+        if split is not _NOT_SPLIT:
+            return split
+    if _all_scalars((args, kwargs)):
+        return _run_on_values(op, args, kwargs)
+    raise err
+
+
+def _result_view(op, res, out, args, kwargs, rec):
+    return _wrap_view(res, out, args[0], True)  # under inference mode (else run wraps it inline)
+
+
+def _result_view_list(op, res, out, args, kwargs, rec):
+    return _wrap_view(res, out, args[0], False)
+
+
+def _result_self(op, res, out, args, kwargs, rec):
+    base = getattr(args[0], "_view_base", None)  # a list for the _foreach_*_ ops
+    if base is not None and base() is not None:
+        raise _write_into_copy_error(op, args[0])
+    return args[0] if res is not None else None
+
+
+def _result_list(op, res, out, args, kwargs, rec):
+    return [r if s is None else wrap(r, s) for r, s in zip(res, out.out_specs)]
+
+
+def _result_tuple(op, res, out, args, kwargs, rec):
+    return tuple(_result_list(op, res, out, args, kwargs, rec))
+
+
+def _result_out(op, res, out, args, kwargs, rec):
+    return _written(rec.written, kwargs)
+
+
+def _result_none(op, res, out, args, kwargs, rec):
     return res
+
+
+# OutputSharding.returns -> how run() turns the local result into the op's result (a one-tensor result
+# is wrapped inline in run: the common case).
+_RESULTS = {"view": _result_view, "view_list": _result_view_list, "self": _result_self, "list": _result_list,
+            "tuple": _result_tuple, "out": _result_out, "none": _result_none}
 
 
 # ---------------------------------------------------------------- slow path

@@ -81,10 +81,9 @@ def sharding_for(out: OutputSharding) -> OutputSharding:
                                needs_redistribute=False, local_call=compute, outside=True)
 
 
-def is_outside(out: OutputSharding) -> bool:
-    """Whether the op ``out`` answers runs on a mesh this rank is not in (asked on a cache miss only)."""
-    specs = out.in_specs
-    return bool(specs) and specs[0].mesh._coord is None
+# Whether the op an answer is for runs on a mesh this rank is not in (asked on a cache miss only);
+# propagate's own, which must not cache such an answer in its mesh form.
+is_outside = _prop.runs_outside
 
 
 def excluded_mesh(args, kwargs):

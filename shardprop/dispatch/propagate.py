@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 import torch
 
 from shardprop.dispatch import out_targets, registry
+from shardprop.dispatch.answers import CacheInfo, cache, runs_outside  # noqa: F401  (propagate's names too)
 from shardprop.mesh import config as _config
 from shardprop.mesh.config import values as _settings
 from shardprop.dispatch.op_schema import (
@@ -339,7 +340,8 @@ def _describe(schema: OpSchema) -> str:
     return ", ".join(f"{list(s.placements)} {tuple(s.shape)}" for s in schema.specs)
 
 
-def _propagate(schema: OpSchema) -> OutputSharding:
+def propagate_miss(schema: OpSchema) -> OutputSharding:
+    """Propagate ``schema`` afresh, counted as a cache miss of its op (the cache's one way in)."""
     t0 = time.perf_counter()
     ok = False
     try:
@@ -519,42 +521,33 @@ def _check_out(schema: OpSchema, out_specs, where):
     return tuple(names), tuple(given)
 
 
-class _Cache:
-    """The propagation cache: ``fn`` is ``_propagate`` behind an LRU cache of ``cache_size`` entries.
-
-    ``memo_size``: answers the dispatcher remembers per op (none when the cache is off). Resized in
-    place (the setting's watcher), so the dispatcher's reference to this object stays valid.
-    """
-
-    __slots__ = ("fn", "memo_size")
-
-    def resize(self, n) -> None:
-        self.fn = functools.lru_cache(maxsize=n)(_propagate)
-        self.memo_size = 1024 if n is None or n > 0 else 0
-
-
-cache = _Cache()
-cache.resize(_settings.cache_size)
-_config.watch("cache_size", cache.resize)
-
-
 def propagate(schema: OpSchema) -> OutputSharding:
     """The sharding of ``schema``'s op on its input specs, cached (see :data:`cache`).
 
     Example:
         >>> propagate(OpSchema(aten.mm.default, (a_spec, b_spec), ()))  # doctest: +SKIP
     """
-    return cache.fn(schema)
+    e = registry.entry(schema.op)
+    key = (schema.args, schema.kwargs)
+    out = e.memo.get(key)
+    if out is None or out.outside:  # outside the mesh the dispatcher keeps the no-op form: answer afresh
+        out = propagate_miss(schema)
+        if not runs_outside(out):
+            cache.remember(e.memo, key, out)
+    return out
 
 
-def cache_info():
-    """The propagation cache's statistics (``functools`` ``CacheInfo``: hits, misses, maxsize, currsize)."""
-    return cache.fn.cache_info()
+def cache_info() -> CacheInfo:
+    """The propagation cache's statistics (hits, misses, maxsize, currsize)."""
+    entries = list(registry.entries.values())
+    calls = sum(e.calls for e in entries)
+    misses = sum(e.misses for e in entries)
+    return CacheInfo(max(calls - misses, 0), misses, cache.limit, sum(len(e.memo) for e in entries))
 
 
 def cache_clear() -> None:
     """Empty the propagation cache."""
-    cache.fn.cache_clear()
+    cache.clear()
 
 
 def miss_counts() -> dict:

@@ -12,10 +12,10 @@ A rule is a function of a :class:`PropContext` returning acceptable options:
 A user rule always wins over a built-in one for the same op.
 
 Everything the engine knows about one op overload is gathered in its :class:`OpEntry`, built at
-the op's first use (``entry(op)``): the rule in force, the local call, the special handler, the
-positionwise flag, what the op writes into, the method that runs it on plain tensors, its memo
-and its call counter. The dispatcher's hot path reads that one object. The registration
-functions below record what was declared and update (or drop, to be rebuilt) the entries.
+the op's first declaration or use (``entry(op)``): its rules, local call, output meta, special
+handler and flags, what the op writes into, the method that runs it on plain tensors, its memo
+and its counters. Each registration function below writes what it declares into the entry itself
+(there are no side tables to keep in step); the dispatcher's hot path reads that one object.
 """
 from __future__ import annotations
 
@@ -28,33 +28,12 @@ from shardprop.dispatch import hooks as _hooks_mod
 from shardprop.dispatch.method_calls import local_callable
 from shardprop.dispatch.op_schema import _Marker
 
-# What was declared, per op (the entries are built from these; only registration reads them).
-_BUILTIN: Dict[object, "Rule"] = {}
-# op -> local_call(op, output_sharding, local_args, local_kwargs): how to run the op on the
-# shards when the plain call with the global arguments is wrong (sizes given globally, a
-# masked lookup on a vocab shard). Chosen once per schema, at propagation.
-LOCAL_CALLS: Dict[object, Callable] = {}
-_USER: Dict[object, "Rule"] = {}
-# op -> fn(*meta_args, **meta_kwargs): the op's outputs on meta tensors, for ops whose own meta
-# kernel is stricter than their device kernels (_grouped_mm's meta accepts bf16 only, its CPU
-# kernel float32 too). Used by propagation to infer output shapes.
-OUTPUT_METAS: Dict[object, Callable] = {}
 _listeners = []  # called when rules change (the propagation cache clears itself)
-# op -> handler(op, args, kwargs) for ops that need more than a rule (register_special).
-_SPECIAL: Dict[object, Callable] = {}
-# Special ops whose handler may run on a rank outside the mesh as is: it communicates nothing
-# itself (a local read, or a decomposition whose ops come back through the dispatcher).
-_OUTSIDE_SAFE = set()
-# Ops over lists whose position i depends only on position i of each list (_foreach_*, the fused
-# optimizers): lists mixing plain tensors and DTensors, or DTensors of several meshes, run as one
-# call per group (the dispatcher's _split_positions). Filled by the rooms that own their rules.
-_POSITIONWISE = set()
-# View ops whose result torch itself documents as "a view or a copy": writing into it is
-# not expected to reach the base, so it needs no guard when its input had to move.
-_MAY_COPY = {torch.ops.aten.reshape.default, torch.ops.aten.reshape_as.default}
 _hooks = _hooks_mod.hooks
 
-# op -> its OpEntry (read by the dispatcher's hot path: ``entries.get(op)``).
+# op -> its OpEntry: everything declared about the op and everything derived from it, in one place
+# (read by the dispatcher's hot path: ``entries.get(op)``). The registration functions below write
+# into it; ``tests/test_layout.py`` fails on any other op-keyed table in this module.
 entries: Dict[object, "OpEntry"] = {}
 
 
@@ -73,18 +52,28 @@ UNASKED = _Unasked()
 class OpEntry:
     """What the engine knows about one op overload (one object: the hot path reads its attributes).
 
-    - ``rule``: the :class:`Rule` in force (a user's over the built-in one), or None;
+    Declared (by the registration functions below):
+
+    - ``builtin`` / ``user``: the built-in :class:`Rule` and a user's (or None); ``rule``: the one in
+      force (the user's over the built-in one);
     - ``local_call``: ``fn(op, out, largs, lkwargs)`` that runs it on the shards, or None (see
       :func:`register_local_call`); ``output_meta``: its output-meta override, or None;
-    - ``special``: its special handler, None, or :data:`UNASKED` until its first dispatch;
-      ``outside_safe``: that handler may run on a rank outside the mesh as is;
+    - ``declared``: its registered special handler, or None; ``outside_safe``: that handler may run
+      on a rank outside the mesh as is;
     - ``positionwise``: a list op split by position when lists mix meshes or plain tensors;
+    - ``guard_view``: a view op whose result, when its input had to move, is a guarded copy (off for
+      the views torch documents as "a view or a copy": :func:`register_may_copy`).
+
+    Derived:
+
+    - ``special``: the handler in force (declared, or the first-call hook's), None, or
+      :data:`UNASKED` until its first dispatch;
     - ``written``: names of the keyword-only arguments it writes into; ``alias``: 'self', 'out' or None;
-    - ``guard_view``: a view op whose result, when its input had to move, is a guarded copy;
     - ``call``: the fastest callable that runs it on plain tensors (``method_calls``);
-    - ``hash``: ``hash(op)`` once; ``memo``: (arg keys, kwarg keys) -> OutputSharding;
+    - ``hash``: ``hash(op)`` once; ``memo``: (arg keys, kwarg keys) -> OutputSharding, the op's share
+      of the propagation cache (the only one: see ``answers.cache``);
     - counters: ``calls`` (dispatcher calls), ``misses`` (propagations), ``inserted`` (those that
-      succeeded: entries put in the cache), ``miss_seconds`` (time spent propagating).
+      succeeded), ``miss_seconds`` (time spent propagating).
 
     Example:
         >>> e = entry(torch.ops.aten.add_.Tensor); e.alias, e.call is torch.Tensor.add_
@@ -92,23 +81,25 @@ class OpEntry:
     """
 
     __slots__ = ("op", "hash", "special", "outside_safe", "calls", "call", "memo", "rule", "local_call",
-                 "output_meta", "positionwise", "written", "alias", "guard_view", "misses", "inserted", "miss_seconds")
+                 "output_meta", "positionwise", "written", "alias", "guard_view", "misses", "inserted",
+                 "miss_seconds", "builtin", "user", "declared")
 
     def __init__(self, op):
         self.op = op
         self.hash = hash(op)
-        self.special = _SPECIAL.get(op, UNASKED)
-        self.outside_safe = op in _OUTSIDE_SAFE
+        self.special = UNASKED
+        self.declared = None
+        self.outside_safe = False
         self.calls = 0
         self.call = local_callable(op)
         self.memo = {}
-        self.rule = lookup(op)
-        self.local_call = LOCAL_CALLS.get(op)
-        self.output_meta = OUTPUT_METAS.get(op)
-        self.positionwise = op in _POSITIONWISE
+        self.rule = self.builtin = self.user = None
+        self.local_call = None
+        self.output_meta = None
+        self.positionwise = False
         self.written = written_kwargs(op)
         self.alias = op_alias(op)
-        self.guard_view = bool(getattr(op, "is_view", False)) and op not in _MAY_COPY
+        self.guard_view = bool(getattr(op, "is_view", False))
         self.misses = self.inserted = 0
         self.miss_seconds = 0.0
 
@@ -117,7 +108,7 @@ class OpEntry:
 
 
 def entry(op) -> OpEntry:
-    """``op``'s entry, built at its first use.
+    """``op``'s entry, built at its first use (a declaration or a dispatch).
 
     Example:
         >>> entry(torch.ops.aten.mm.default).rule is not None  # doctest: +SKIP
@@ -132,33 +123,21 @@ def entry(op) -> OpEntry:
 def settle_special(e: OpEntry):
     """At ``e``'s first dispatch: its special handler, asking the first-call hook when none is registered.
 
-    The hook (decompose's) may register a handler for the op meanwhile: the entry then reads it.
+    The hook (decompose's) may register a handler for the op meanwhile: the entry then holds it.
     """
-    handler = _SPECIAL.get(e.op)
+    handler = e.declared
     if handler is None and _hooks.first_call_hook is not None:
         handler = _hooks.first_call_hook(e.op)
     e.special = handler
-    e.outside_safe = e.op in _OUTSIDE_SAFE
     return handler
 
 
-def _special_changed(op) -> None:
+def _special_changed(e: OpEntry) -> None:
     """A special handler registered or removed: the entry starts its dispatch life afresh (handler,
     call counter, memo); with none registered its next dispatch asks the first-call hook again."""
-    e = entries.get(op)
-    if e is not None:
-        e.special = _SPECIAL.get(op, UNASKED)
-        e.outside_safe = op in _OUTSIDE_SAFE
-        e.calls = 0
-        e.memo.clear()
-
-
-def _refresh(o) -> None:
-    e = entries.get(o)
-    if e is not None:
-        e.rule = lookup(o)
-        e.local_call = LOCAL_CALLS.get(o)
-        e.output_meta = OUTPUT_METAS.get(o)
+    e.special = UNASKED if e.declared is None else e.declared
+    e.calls = 0
+    e.memo.clear()
 
 
 def op_alias(op):
@@ -190,24 +169,24 @@ def special_handler(op):
         >>> special_handler(aten.mm.default) is None  # doctest: +SKIP
         True
     """
-    return _SPECIAL.get(op)
+    e = entries.get(op)
+    return None if e is None else e.declared
 
 
 def register_special(op, handler, *, outside_safe: bool = False) -> None:
     """Route ``op`` to ``handler(op, args, kwargs)`` instead of the rule-based path.
 
-    ``outside_safe``: the handler communicates nothing itself, so it runs as is on a rank
+    ``outside_safe``: the handler communicates nothing itself (a local read, or a decomposition whose ops
+    come back through the dispatcher), so it runs as is on a rank
     outside the mesh (else such a rank takes ``outside``'s no-op path, see the dispatcher's ``_special_outside``).
 
     Example:
         >>> register_special(aten._local_scalar_dense.default, item_handler)  # doctest: +SKIP
     """
-    _SPECIAL[op] = handler
-    if outside_safe:
-        _OUTSIDE_SAFE.add(op)
-    else:
-        _OUTSIDE_SAFE.discard(op)
-    _special_changed(op)
+    e = entry(op)
+    e.declared = handler
+    e.outside_safe = outside_safe
+    _special_changed(e)
 
 
 def unregister_special(op) -> None:
@@ -216,22 +195,34 @@ def unregister_special(op) -> None:
     Example:
         >>> unregister_special(aten._local_scalar_dense.default)  # doctest: +SKIP
     """
-    _SPECIAL.pop(op, None)
-    _OUTSIDE_SAFE.discard(op)
-    _special_changed(op)
+    e = entries.get(op)
+    if e is not None:
+        e.declared = None
+        e.outside_safe = False
+        _special_changed(e)
 
 
 def register_positionwise(ops) -> None:
-    """Mark list ops whose position i depends only on position i of each list (see ``_POSITIONWISE``).
+    """Mark list ops whose position i depends only on position i of each list (_foreach_*, the fused
+    optimizers): lists mixing plain tensors and DTensors, or DTensors of several meshes, run as one call
+    per group (the dispatcher's ``_split_positions``). Declared by the rooms that own their rules.
 
     Example:
         >>> register_positionwise([aten._foreach_add.List])  # doctest: +SKIP
     """
     for op in ops:
-        _POSITIONWISE.add(op)
-        e = entries.get(op)
-        if e is not None:
-            e.positionwise = True
+        entry(op).positionwise = True
+
+
+def register_may_copy(ops) -> None:
+    """Mark view ops whose result torch itself documents as "a view or a copy" (``reshape``): writing
+    into it is not expected to reach the base, so it needs no guard when its input had to move.
+
+    Example:
+        >>> register_may_copy([aten.reshape.default])  # doctest: +SKIP
+    """
+    for op in ops:
+        entry(op).guard_view = False
 
 
 def ops_seen_without_special() -> list:
@@ -263,7 +254,7 @@ def reset_miss_counts() -> None:
 
 
 def clear_memos() -> None:
-    """Forget every op's remembered propagation answers (with the propagation cache)."""
+    """Forget every op's remembered propagation answers (``answers.cache.clear``, which also recounts)."""
     for e in entries.values():
         e.memo.clear()
 
@@ -301,15 +292,18 @@ def rule(*ops, per_dim: bool = True, strided: bool = False):
     def deco(fn):
         for op in ops:
             for o in _overloads(op):
-                _BUILTIN[o] = Rule(fn, per_dim, strided=strided)
-                _refresh(o)
+                e = entry(o)
+                e.builtin = Rule(fn, per_dim, strided=strided)
+                e.rule = e.user or e.builtin
         _changed()
         return fn
     return deco
 
 
 def register_local_call(op, fn: Callable) -> None:
-    """Run ``op`` on the shards with ``fn(op, out, largs, lkwargs)`` instead of ``op(*largs, **lkwargs)``.
+    """Run ``op`` on the shards with ``fn(op, out, largs, lkwargs)`` instead of ``op(*largs, **lkwargs)``,
+    where the plain call with the global arguments is wrong (sizes given globally, a masked lookup on a
+    vocab shard). Chosen once per schema, at propagation.
 
     ``out`` is the OutputSharding (its ``in_specs``/``out_specs`` say what this rank holds).
 
@@ -317,32 +311,33 @@ def register_local_call(op, fn: Callable) -> None:
         >>> register_local_call(aten.view.default, view_with_local_sizes)  # doctest: +SKIP
     """
     for o in _overloads(op):
-        LOCAL_CALLS[o] = fn
-        _refresh(o)
+        entry(o).local_call = fn
     _changed()
 
 
 def register_output_meta(op, fn: Callable) -> None:
-    """Infer ``op``'s output shapes with ``fn`` on meta tensors instead of the op's own meta kernel.
+    """Infer ``op``'s output shapes with ``fn`` on meta tensors instead of the op's own meta kernel, for ops
+    whose meta kernel is stricter than their device kernels (``_grouped_mm``'s meta accepts bf16 only, its
+    CPU kernel float32 too).
 
     Example:
         >>> register_output_meta(aten._grouped_mm.default, grouped_mm_meta)  # doctest: +SKIP
     """
     for o in _overloads(op):
-        OUTPUT_METAS[o] = fn
-        _refresh(o)
+        entry(o).output_meta = fn
     _changed()
 
 
 def lookup(op) -> Optional[Rule]:
     """The rule in force for ``op``: a user's if registered, else the built-in one."""
-    r = _USER.get(op)
-    return r if r is not None else _BUILTIN.get(op)
+    e = entries.get(op)
+    return None if e is None else e.rule
 
 
 def has_builtin(op) -> bool:
     """Whether shardprop ships a rule for ``op``."""
-    return op in _BUILTIN
+    e = entries.get(op)
+    return e is not None and e.builtin is not None
 
 
 def register_sharding(op, *, per_dim: Optional[bool] = None):
@@ -382,8 +377,8 @@ def register_sharding(op, *, per_dim: Optional[bool] = None):
         user_rule.user_fn = fn
         for one in ops:
             for o in _overloads(one):
-                _USER[o] = Rule(user_rule, per_dim if per_dim is not None else "auto", user=True)
-                _refresh(o)
+                e = entry(o)
+                e.user = e.rule = Rule(user_rule, per_dim if per_dim is not None else "auto", user=True)
         _changed()
         return fn
     return deco
@@ -393,12 +388,9 @@ def _user_value(a):
     """An argument in key form as a user rule sees it: bool markers become bools again."""
     if type(a) is tuple:
         return tuple(_user_value(x) for x in a)
-    if type(a) is _Marker and a.name in _BOOLS:
-        return _BOOLS[a.name]
+    if type(a) is _Marker and a.name in ("<True>", "<False>"):
+        return a.name == "<True>"
     return a
-
-
-_BOOLS = {"<True>": True, "<False>": False}
 
 
 def unregister_sharding(op) -> None:
@@ -409,8 +401,10 @@ def unregister_sharding(op) -> None:
     """
     for one in (op if isinstance(op, (list, tuple)) else [op]):
         for o in _overloads(one):
-            _USER.pop(o, None)
-            _refresh(o)
+            e = entries.get(o)
+            if e is not None:
+                e.user = None
+                e.rule = e.builtin
     _changed()
 
 

@@ -27,6 +27,7 @@ import types
 from typing import Dict
 
 from shardprop.interop import torch_names
+from shardprop.mesh.state import module_state
 
 _original_import = builtins.__import__
 
@@ -63,16 +64,11 @@ class _View(types.ModuleType):
         return getattr(self.__real__, name)
 
 
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("stand_ins", "views", "depth")
-
-
-_state = _State()
-_state.stand_ins = {}
-_state.views = {}  # torch package name -> the program's view of it (see _view_down_to)
-_state.depth = 0
+_state = module_state(
+    stand_ins={},
+    views={},  # torch package name -> the program's view of it (see _view_down_to)
+    depth=0,
+)
 
 
 def _redirected(torch_name: str) -> bool:

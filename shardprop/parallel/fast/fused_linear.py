@@ -46,6 +46,7 @@ from torch import nn
 from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh import collectives as C
 from shardprop.mesh import compat
+from shardprop.mesh.state import module_state
 from shardprop.parallel.fast.autograd_apply import direct_apply
 from shardprop.parallel.fast.grad_sync import ParamLocal
 from shardprop.tensor.dtensor import DTensor, make_spec, stride_like
@@ -351,16 +352,7 @@ class FusedEmbedding(FusedLinear):
 # The last replicated local input made with autograd recording: (input, its version, mesh, declared
 # input layout, local input). Cleared by the first backward through any node below, so it keeps an
 # activation alive only from one forward to its backward (or to the next forward).
-
-
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("last_input",)
-
-
-_state = _State()
-_state.last_input = None
+_state = module_state(last_input=None)
 
 
 def on_mesh(mesh, *params) -> bool:

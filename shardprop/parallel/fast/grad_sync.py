@@ -38,6 +38,7 @@ import torch
 from shardprop.dispatch import fast_paths as _fast
 from shardprop.mesh.config import values as _settings
 from shardprop.mesh import collectives as C
+from shardprop.mesh.state import module_state
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.placement import Partial, Replicate
 
@@ -47,14 +48,7 @@ _is_compiling = torch.compiler.is_compiling
 _pending: list = []
 
 
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("queued_task",)
-
-
-_state = _State()
-_state.queued_task = None  # the graph task (one backward) whose end runs _flush
+_state = module_state(queued_task=None)  # the graph task (one backward) whose end runs _flush
 
 
 class GradLike:

@@ -5,7 +5,7 @@ parameter becomes a ``Shard`` DTensor over the dp mesh dim (an ``nn.Parameter``
 still), so parameters, gradients and optimizer state take 1/dp of the memory.
 Around each unit's forward the module computes on plain full tensors gathered by
 one all-gather (prefetched one unit ahead, forward and backward; asynchronous except on
-gloo, see :data:`shardprop.parallel.fsdp.unit.ASYNC_GATHER`); its gradients
+gloo, see the ``fsdp_async_gather`` setting); its gradients
 leave in one reduce-scatter that overlaps the rest of backward (at most one in
 flight: the next unit's launch completes the previous one, as torch's does). See
 :mod:`shardprop.parallel.fsdp.unit` (run time) and :mod:`shardprop.parallel.fsdp.flat_buffers`
@@ -364,66 +364,6 @@ def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
     return local, sdim, make_spec(spec_mesh, placements, p.shape, dtype=p.dtype), full_spec, keep, None
 
 
-def _build_unit(roots, params, meshes, plan, fn, reshard_after_forward, mp_policy, offload_policy) -> FSDPUnit:
-    """One unit over ``roots`` for ``params``, all sharded over one mesh (``meshes``: see :func:`_shard_groups`)."""
-    spec_mesh, dp_mesh, rep_mesh = meshes
-    if dp_mesh._coord is None:
-        raise RuntimeError(f"fully_shard: this rank is not in the dp mesh {dp_mesh}")
-    offload = isinstance(offload_policy, CPUOffloadPolicy)
-    pin = offload and offload_policy.pin_memory
-    if pin and dp_mesh.device_type == "cpu":
-        raise RuntimeError("fully_shard: CPUOffloadPolicy(pin_memory=True) on a CPU mesh: pinning host memory "
-                           "needs an accelerator, and on a CPU mesh the parameters already live in host memory; "
-                           "pass CPUOffloadPolicy(pin_memory=False) (a no-op there) or no offload_policy")
-    D, me = dp_mesh.size(), dp_mesh._coord[0]
-    raf = _normalize_reshard(reshard_after_forward, D)
-    pf_mesh = _post_forward_mesh(dp_mesh, raf) if not isinstance(raf, bool) and raf is not None else None
-    names = "+".join(type(m).__name__ for m in roots)
-    tp_meshes = {p._spec.mesh for *_, p, _ in params if isinstance(p, DTensor)}
-    if len(tp_meshes) > 1:
-        raise ValueError(f"fully_shard: the parameters of {names} sharded over {dp_mesh} live on different meshes "
-                         f"{sorted(map(repr, tp_meshes))}; one unit's parameters must share one mesh")
-    if tp_meshes and rep_mesh is not None and plan is None:
-        raise NotImplementedError("fully_shard: HSDP (a 2-d mesh) over DTensor (tensor-parallel) parameters; "
-                                  "pass the dp dim's mesh, e.g. mesh=mesh['dp']")
-    slots, sources, specs = [], [], []
-    for m, name, fqn, p, aliases in params:
-        if p.ndim == 0:
-            raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
-        local, sdim, spec, tp_spec, keep, summed = _layout(fqn, p, fn, dp_mesh, spec_mesh, rep_mesh, plan)
-        slots.append(ParamSlot(m, name, fqn, None, local.shape, sdim, D, me, p.dtype, p.requires_grad,
-                               tp_spec=tp_spec, keep_dims=tuple(keep), aliases=aliases,
-                               plain_compute=summed is not None, grad_sum_dims=summed or ()))
-        sources.append(local)
-        specs.append(spec)
-    dtypes = {s.orig_dtype for s in slots}
-    if len(dtypes) > 1:
-        raise NotImplementedError(f"fully_shard: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
-    compute = {mp_policy.param_compute_dtype(p) for *_, p, _ in params}
-    if len(compute) > 1:  # one flat gather per unit: one dtype
-        raise NotImplementedError(f"fully_shard: param_dtype_override_fn gives the parameters of one unit several "
-                                  f"compute dtypes {sorted(map(str, compute))}; shard them as separate units")
-    buffers = None
-    if slots:
-        orig = slots[0].orig_dtype
-        device = _compute_device(dp_mesh, offload, sources[0])
-        buffers = UnitBuffers(slots, orig, compute.pop(), mp_policy.grad_reduce_dtype(orig), device,
-                              shard_device=torch.device("cpu") if offload else None, pin_memory=pin)
-        for s, src, spec in zip(slots, sources, specs):
-            if s.dim != REPLICATED:
-                off, n = chunk_bounds(src.shape[s.dim], D, me)
-                src = src.narrow(s.dim, off, n)
-            local = buffers.hold_piece(s, src)
-            s.sharded = nn.Parameter(DTensor(local, spec), requires_grad=s.requires_grad)
-            s.sharded._local_tensor = local
-            s.full_param = buffers.full_param(s)
-            for owner, pname in s.owners():
-                owner._parameters[pname] = s.sharded
-        buffers.free_full()
-    return FSDPUnit(tuple(roots), slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
-                    replicate_mesh=rep_mesh, post_forward_mesh=pf_mesh, auto_reshard=raf is None, offload=offload)
-
-
 def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
                 reshard_after_forward: Union[bool, int, None] = None,
                 shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
@@ -459,6 +399,24 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
         >>> loss = model(x_local).mean(); loss.backward(); opt.step()  # doctest: +SKIP
     """
     roots = _root_modules(module)
+    _check_arguments(roots, mp_policy, offload_policy)
+    plan, mesh = _dp_mesh_dims_plan(mesh, dim, dp_mesh_dims, reshard_after_forward)
+    first = next((p for m in roots for p in m.parameters()), None)
+    ignored = {id(p) for p in (ignored_params or ())}
+    groups = _shard_groups(_managed_params(roots, ignored), shard_placement_fn, mesh, dim, plan,
+                           first.device.type if first is not None else "cpu")
+    units = [_build_unit(roots, params, meshes, g_plan, shard_placement_fn, reshard_after_forward, mp_policy,
+                         offload_policy) for meshes, g_plan, params in groups]
+    unit = units[0]
+    unit.add_members(units[1:])
+    _install(roots, unit)
+    return module
+
+
+# ---------------------------------------------------------------- fully_shard's steps
+
+
+def _check_arguments(roots, mp_policy, offload_policy) -> None:
     for m in roots:
         if getattr(m, "_fsdp_unit", None) is not None:
             raise ValueError(f"fully_shard: {type(m).__name__} is already fully_shard-ed; wrap each module once")
@@ -466,28 +424,115 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-    plan = None
-    if dp_mesh_dims is not None:
-        if mesh is None or dim is not None:
-            raise ValueError("fully_shard: dp_mesh_dims needs mesh= (the whole mesh) and no dim=")
-        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-            raise NotImplementedError("fully_shard: reshard_after_forward as an int with dp_mesh_dims (as in torch)")
-        plan = plan_dp_mesh_dims(mesh, dp_mesh_dims)
-        mesh = plan.fsdp_mesh
-    first = next((p for m in roots for p in m.parameters()), None)
+
+
+def _dp_mesh_dims_plan(mesh, dim, dp_mesh_dims, reshard_after_forward):
+    """(plan, mesh to shard over): with ``dp_mesh_dims``, its plan and the mesh of its dp dims; else (None, mesh)."""
+    if dp_mesh_dims is None:
+        return None, mesh
+    if mesh is None or dim is not None:
+        raise ValueError("fully_shard: dp_mesh_dims needs mesh= (the whole mesh) and no dim=")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("fully_shard: reshard_after_forward as an int with dp_mesh_dims (as in torch)")
+    plan = plan_dp_mesh_dims(mesh, dp_mesh_dims)
+    return plan, plan.fsdp_mesh
+
+
+def _offload(offload_policy, dp_mesh):
+    """(offload to host memory, pin it)."""
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    ignored = {id(p) for p in (ignored_params or ())}
-    params = _managed_params(roots, ignored)
-    groups = _shard_groups(params, shard_placement_fn, mesh, dim, plan,
-                           first.device.type if first is not None else "cpu")
-    units = [_build_unit(roots, ps, meshes, g_plan, shard_placement_fn, reshard_after_forward, mp_policy,
-                         offload_policy) for meshes, g_plan, ps in groups]
-    unit = units[0]
-    unit.add_members(units[1:])
+    pin = offload and offload_policy.pin_memory
+    if pin and dp_mesh.device_type == "cpu":
+        raise RuntimeError("fully_shard: CPUOffloadPolicy(pin_memory=True) on a CPU mesh: pinning host memory "
+                           "needs an accelerator, and on a CPU mesh the parameters already live in host memory; "
+                           "pass CPUOffloadPolicy(pin_memory=False) (a no-op there) or no offload_policy")
+    return offload, pin
+
+
+def _build_unit(roots, params, meshes, plan, fn, reshard_after_forward, mp_policy, offload_policy) -> FSDPUnit:
+    """One unit over ``roots`` for ``params``, all sharded over one mesh (``meshes``: see :func:`_shard_groups`)."""
+    spec_mesh, dp_mesh, rep_mesh = meshes
+    if dp_mesh._coord is None:
+        raise RuntimeError(f"fully_shard: this rank is not in the dp mesh {dp_mesh}")
+    offload, pin = _offload(offload_policy, dp_mesh)
+    raf = _normalize_reshard(reshard_after_forward, dp_mesh.size())
+    pf_mesh = _post_forward_mesh(dp_mesh, raf) if not isinstance(raf, bool) and raf is not None else None
+    _check_unit_params(roots, params, dp_mesh, rep_mesh, plan)
+    slots, sources, specs = _slots(params, fn, dp_mesh, spec_mesh, rep_mesh, plan)
+    buffers = _shard(slots, sources, specs, _compute_dtype(params, mp_policy), mp_policy, dp_mesh, offload, pin)
+    return FSDPUnit(tuple(roots), slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
+                    replicate_mesh=rep_mesh, post_forward_mesh=pf_mesh, auto_reshard=raf is None, offload=offload)
+
+
+def _check_unit_params(roots, params, dp_mesh, rep_mesh, plan) -> None:
+    """The DTensor parameters sharded over ``dp_mesh`` share one mesh (and HSDP has none)."""
+    names = "+".join(type(m).__name__ for m in roots)
+    meshes = {p._spec.mesh for *_, p, _ in params if isinstance(p, DTensor)}
+    if len(meshes) > 1:
+        raise ValueError(f"fully_shard: the parameters of {names} sharded over {dp_mesh} live on different meshes "
+                         f"{sorted(map(repr, meshes))}; one unit's parameters must share one mesh")
+    if meshes and rep_mesh is not None and plan is None:
+        raise NotImplementedError("fully_shard: HSDP (a 2-d mesh) over DTensor (tensor-parallel) parameters; "
+                                  "pass the dp dim's mesh, e.g. mesh=mesh['dp']")
+
+
+def _slots(params, fn, dp_mesh, spec_mesh, rep_mesh, plan):
+    """(a ParamSlot, the local tensor to shard, the sharded spec) per parameter, of one dtype."""
+    D, me = dp_mesh.size(), dp_mesh._coord[0]
+    slots, sources, specs = [], [], []
+    for m, name, fqn, p, aliases in params:
+        if p.ndim == 0:
+            raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
+        local, sdim, spec, tp_spec, keep, summed = _layout(fqn, p, fn, dp_mesh, spec_mesh, rep_mesh, plan)
+        slots.append(ParamSlot(m, name, fqn, None, local.shape, sdim, D, me, p.dtype, p.requires_grad,
+                               tp_spec=tp_spec, keep_dims=tuple(keep), aliases=aliases,
+                               plain_compute=summed is not None, grad_sum_dims=summed or ()))
+        sources.append(local)
+        specs.append(spec)
+    dtypes = {s.orig_dtype for s in slots}
+    if len(dtypes) > 1:
+        raise NotImplementedError(f"fully_shard: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
+    return slots, sources, specs
+
+
+def _compute_dtype(params, mp_policy):
+    """The one dtype the unit's parameters compute in (one flat gather per unit: one dtype), or None."""
+    compute = {mp_policy.param_compute_dtype(p) for *_, p, _ in params}
+    if len(compute) > 1:
+        raise NotImplementedError(f"fully_shard: param_dtype_override_fn gives the parameters of one unit several "
+                                  f"compute dtypes {sorted(map(str, compute))}; shard them as separate units")
+    return compute.pop() if compute else None
+
+
+def _shard(slots, sources, specs, compute_dtype, mp_policy, dp_mesh, offload: bool, pin: bool):
+    """Keep this rank's piece of each parameter in the unit's buffers and put it in the module as a
+    sharded ``nn.Parameter`` (None: the unit has no parameters)."""
+    if not slots:
+        return None
+    D, me = dp_mesh.size(), dp_mesh._coord[0]
+    orig = slots[0].orig_dtype
+    device = _compute_device(dp_mesh, offload, sources[0])
+    buffers = UnitBuffers(slots, orig, compute_dtype, mp_policy.grad_reduce_dtype(orig), device,
+                          shard_device=torch.device("cpu") if offload else None, pin_memory=pin)
+    for s, src, spec in zip(slots, sources, specs):
+        if s.dim != REPLICATED:
+            off, n = chunk_bounds(src.shape[s.dim], D, me)
+            src = src.narrow(s.dim, off, n)
+        local = buffers.hold_piece(s, src)
+        s.sharded = nn.Parameter(DTensor(local, spec), requires_grad=s.requires_grad)
+        s.sharded._local_tensor = local
+        s.full_param = buffers.full_param(s)
+        for owner, pname in s.owners():
+            owner._parameters[pname] = s.sharded
+    buffers.free_full()
+    return buffers
+
+
+def _install(roots, unit) -> None:
+    """Make each root an FSDPModule of ``unit``, gathering around its forward."""
     for m in roots:
         m._fsdp_unit = unit
         cls = m.__class__
         m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         m.register_forward_pre_hook(pre_forward, with_kwargs=True)
         m.register_forward_hook(post_forward, with_kwargs=True)
-    return module

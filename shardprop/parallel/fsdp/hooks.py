@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from shardprop.mesh.compat import in_backward
+from shardprop.mesh.state import module_state
 from shardprop.parallel.fsdp.unit import FSDPUnit
 from shardprop.tensor.compile_support import outside_graphs
 from shardprop.tensor.dtensor import DTensor
@@ -97,15 +98,7 @@ def _neighbour(order, unit, step) -> List[FSDPUnit]:
     return [order[i]] if 0 <= i < len(order) else []
 
 
-
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("active_root",)
-
-
-_state = _State()
-_state.active_root = None
+_state = module_state(active_root=None)
 
 
 def root_state_of(unit: FSDPUnit) -> RootState:

@@ -16,64 +16,44 @@ import torch
 
 from shardprop.mesh import collectives as C
 from shardprop.mesh.async_tensor import wait_all
+from shardprop.mesh.config import values as _settings
+from shardprop.mesh.state import module_state
 from shardprop.parallel.fsdp.flat_buffers import ParamSlot, UnitBuffers
 from shardprop.tensor.dtensor import DTensor
 
 
-# How a unit all-gathers (None: by backend). True: one coalesced all-gather whose outputs are the
-# full parameters' views (NCCL writes each piece in place: no copy at all). False: one flat
-# all-gather of the (already flat) shard buffer, then one copy into the full parameters; on gloo
-# this is cheaper, since gloo's coalesced all-gather flattens the inputs and copies the outputs.
-GATHER_INTO_VIEWS: Optional[bool] = None
+# Each collective's mode is a setting (fsdp_gather_into_views, fsdp_async_gather, fsdp_async_reduce in
+# shardprop.config); unset, the backend decides: on for every device but CPU. Why off on gloo:
+# - into views: gloo's coalesced all-gather flattens the inputs and copies the outputs, so one flat
+#   all-gather of the (already flat) shard buffer and one copy into the full parameters is cheaper;
+# - async gather: gloo's all-gather holds a flat temporary the size of the output while in flight, so
+#   an async prefetch keeps that buffer alive across the current unit's compute, for little overlap;
+# - async reduce: the packed gradients (the unit's full size) would stay alive until the next unit's
+#   backward completes them, in the peak of every unit's backward (torch's CPU reduce-scatter is
+#   synchronous too).
+
+
+def _by_backend(value, mesh) -> bool:
+    return value if value is not None else mesh.device_type != "cpu"
 
 
 def gather_into_views(mesh) -> bool:
-    """Whether units on ``mesh`` gather straight into their parameters' views (see GATHER_INTO_VIEWS)."""
-    if GATHER_INTO_VIEWS is not None:
-        return GATHER_INTO_VIEWS
-    return mesh.device_type != "cpu"
-
-
-# Whether a unit's all-gather runs asynchronously (None: by backend). True overlaps the gather of
-# the next unit (prefetch) with this unit's compute. On gloo the overlap costs memory and buys
-# little: gloo's all-gather holds a flat temporary the size of the output for as long as it is in
-# flight, so an async prefetch keeps that extra buffer alive across the current unit's compute
-# (e.g. its backward's temporaries). Synchronous there, as torch's fully_shard is by default.
-ASYNC_GATHER: Optional[bool] = None
+    """Whether units on ``mesh`` gather straight into their parameters' views (``fsdp_gather_into_views``)."""
+    return _by_backend(_settings.fsdp_gather_into_views, mesh)
 
 
 def async_gather(mesh) -> bool:
-    """Whether units on ``mesh`` all-gather asynchronously (see ASYNC_GATHER)."""
-    if ASYNC_GATHER is not None:
-        return ASYNC_GATHER
-    return mesh.device_type != "cpu"
-
-
-# Whether a unit's reduce-scatter runs asynchronously (None: by backend). Async keeps the packed
-# gradients (the unit's full size) alive until the next unit's backward completes it; on gloo the
-# overlap buys little on CPU and that buffer stays in the peak of every unit's backward (about one
-# unit above torch's fully_shard, whose CPU reduce-scatter is synchronous). Synchronous there.
-ASYNC_REDUCE: Optional[bool] = None
+    """Whether units on ``mesh`` all-gather asynchronously (``fsdp_async_gather``)."""
+    return _by_backend(_settings.fsdp_async_gather, mesh)
 
 
 def async_reduce(mesh) -> bool:
-    """Whether units on ``mesh`` reduce-scatter asynchronously (see ASYNC_REDUCE)."""
-    if ASYNC_REDUCE is not None:
-        return ASYNC_REDUCE
-    return mesh.device_type != "cpu"
+    """Whether units on ``mesh`` reduce-scatter asynchronously (``fsdp_async_reduce``)."""
+    return _by_backend(_settings.fsdp_async_reduce, mesh)
 
 
 # The unit whose reduce-scatter was launched last and is not completed yet.
-
-
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("in_flight",)
-
-
-_state = _State()
-_state.in_flight = None
+_state = module_state(in_flight=None)
 
 
 def _and_members(method):
@@ -205,7 +185,7 @@ class FSDPUnit:
     def unshard(self) -> None:
         """Start the all-gather of every shard into the full buffer (no-op if under way or done).
 
-        When gathers are synchronous (see ASYNC_GATHER) it also finishes it: the gathered
+        When gathers are synchronous (see ``async_gather``) it also finishes it: the gathered
         data waits in the flat result until :meth:`wait_unsharded` copies it out. After
         :meth:`reshard_to_group` it gathers the kept pieces within the smaller group.
         """

@@ -25,6 +25,7 @@ import torch
 
 from shardprop.dispatch import dispatcher as _dispatch
 from shardprop.mesh import collectives as C
+from shardprop.mesh.state import module_state
 from shardprop.tensor.dtensor import DTensor, local_chunk, make_spec
 from shardprop.tensor.placement import Partial, Replicate, Shard, without_partial
 from shardprop.tensor.redistribute import redistribute_local
@@ -227,14 +228,7 @@ HANDLERS = {
 _saved = {}  # op -> the special handler that was there before the context (None: the rule path)
 
 
-class _State:
-    """This module's mutable state, in one object (no `global` statements)."""
-
-    __slots__ = ("depth",)
-
-
-_state = _State()
-_state.depth = 0
+_state = module_state(depth=0)
 
 
 @contextlib.contextmanager
