@@ -30,9 +30,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardprop.parallel.cp.load_balance import HeadTailLoadBalancer, LoadBalancer
 
-__all__ = ["context_parallel_shard_buffers", "shard_block_mask", "shard_tensor", "last_load_balancer"]
+__all__ = ["context_parallel_shard_buffers", "shard_block_mask", "shard_tensor", "last_load_balancer", "layout_is_head_tail"]
 
-_state = {"balancer": None, "sharded": False}
+_state = {"balancer": None}  # the last call's balancer (torch keeps the same as a global option)
 
 
 def last_load_balancer() -> Optional[LoadBalancer]:
@@ -136,7 +136,7 @@ def context_parallel_shard_buffers(mesh, buffers: Any, seq_dims: Any,
     devices = {(x.device if isinstance(x, torch.Tensor) else x.kv_num_blocks.device) for x in flat}
     if len(devices) > 1:
         raise ValueError(f"context parallel: all buffers must be on one device, got {sorted(map(str, devices))}")
-    _state["balancer"], _state["sharded"] = load_balancer, True
+    _state["balancer"] = load_balancer
     order = load_balancer._generate_indices() if load_balancer is not None else None
     if order is not None and order.dim() != 2:
         raise ValueError(f"context parallel: a load balancer's order is (1 or batch, seq_len), got {tuple(order.shape)}")
@@ -152,7 +152,12 @@ def context_parallel_shard_buffers(mesh, buffers: Any, seq_dims: Any,
 
 
 def layout_is_head_tail() -> Optional[bool]:
-    """Whether the last sharding was head-tail balanced (True), contiguous (False), or another order (None)."""
+    """Whether the last sharding was head-tail balanced (True), contiguous (False), or another order (None).
+
+    Example:
+        >>> layout_is_head_tail()  # nothing sharded yet
+        False
+    """
     balancer = _state["balancer"]
     if balancer is None:
         return False
