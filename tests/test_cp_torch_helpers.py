@@ -86,6 +86,20 @@ def test_ptrr_orders_equal_torchs():
         assert torch.equal(ptrr_groups(cost, n), _torch_lb()._PTRRLoadBalancer.ptrr_scheduling(cost, n))
 
 
+def test_block_mask_by_bands_equals_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+    from shardprop.parallel.cp.block_mask import block_mask_by_bands
+    docs = _doc_ids(2, 700, seed=1)
+    mod = _doc_mask_mod(docs)
+    for b, h, q, kv, budget in ((2, 1, 512, 700, 1), (2, 2, 384, 700, 1 << 17), (1, 1, 640, 640, 1 << 26)):
+        head_mod = (lambda b_, h_, q_, kv_: mod(b_, h_, q_, kv_) & ((q_ + h_) % 7 != 0)) if h > 1 else mod
+        want = create_block_mask(head_mod, b, h, q, kv, device="cpu")
+        got = block_mask_by_bands(head_mod, b, h, q, kv, "cpu", max_elements=budget)
+        assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+        for x, y in zip(_block_tables(got), _block_tables(want)):
+            assert x.dtype == y.dtype and torch.equal(x, y), (b, h, q, kv, budget)
+
+
 # ------------------------------------------------------------------ on 2 gloo ranks
 def _meshes():
     import shardprop

@@ -12,7 +12,9 @@ same tree of sequence dims.
   ranks (:func:`shardprop.parallel.cp.flex.flex_cp_allgather`): a new block mask whose
   ``mask_mod`` maps a local query index to its global position (``r * q_len / n + i``, then
   through the order) and a key index through the order, before calling the original
-  ``mask_mod``. Blocks are the default 128; the query length must divide by ``128 n``.
+  ``mask_mod``. Blocks are the default 128; the query length must divide by ``128 n``. The mask
+  is built a band of query blocks at a time (:mod:`block_mask`; torch compiles
+  ``create_block_mask`` instead): the same tables, in bounded memory.
 
 The last call's balancer is also what :func:`shardprop.parallel.cp.dispatcher` assumes the
 sequence layout to be for SDPA on sequence-sharded DTensors (as torch's global option).
@@ -28,6 +30,7 @@ from typing import Any, List, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardprop.parallel.cp.block_mask import block_mask_by_bands
 from shardprop.parallel.cp.load_balance import HeadTailLoadBalancer, LoadBalancer
 
 __all__ = ["context_parallel_shard_buffers", "shard_block_mask", "shard_tensor", "last_load_balancer", "layout_is_head_tail"]
@@ -100,7 +103,7 @@ def shard_block_mask(block_mask, mesh, balancer: Optional[LoadBalancer] = None, 
     Example:
         >>> local = shard_block_mask(causal_mask, mesh["cp"], PTRRLoadBalancer(causal_mask, 2))  # doctest: +SKIP
     """
-    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
 
     n, r = _mesh_place(mesh)
     q_len, kv_len = block_mask.seq_lengths
@@ -115,8 +118,8 @@ def shard_block_mask(block_mask, mesh, balancer: Optional[LoadBalancer] = None, 
     b, h = block_mask.kv_num_blocks.shape[:2]
     local = q_len // n
     device = mesh.device_type if hasattr(mesh, "device_type") else block_mask.kv_num_blocks.device
-    return create_block_mask(_local_mask_mod(block_mask.mask_mod, r * local, order), b, h, local, kv_len,
-                             device=device, BLOCK_SIZE=(block, block))
+    return block_mask_by_bands(_local_mask_mod(block_mask.mask_mod, r * local, order), b, h, local, kv_len,
+                               device, block)
 
 
 def context_parallel_shard_buffers(mesh, buffers: Any, seq_dims: Any,
