@@ -208,12 +208,18 @@ def _flex_cp(dtype):
             out.backward(ldo)
             errs[(mask_name, lb_name)] = max((a - b).abs().max().item() / b.abs().max().item() for a, b in (
                 (flex_out, lflex), (out, lref), (lq.grad, gq), (lk.grad, gk), (lv.grad, gv)))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():  # what torch.compile sees: the fake implementations' shapes, forward and backward
+        fk = torch.empty(1, 3, 256, 4, requires_grad=True)
+        ak, av = flex_cp_allgather(fk, torch.empty(1, 3, 256, 4), 2, pg_name)
+        gk, = torch.autograd.grad(ak.sum(), fk)
+        errs[("fake", "shapes")] = float(tuple(ak.shape) != (1, 3, 512, 4) or tuple(gk.shape) != (1, 3, 256, 4))
     return errs
 
 
 def test_flex_attention_over_gathered_kv_equals_one_process():
     for errs in run_on_ranks(2, _flex_cp, torch.float64, timeout=120):
-        assert len(errs) == 6
+        assert len(errs) == 7
         for key, e in errs.items():
             assert e < 1e-12, (key, e)
 

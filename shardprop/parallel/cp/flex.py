@@ -56,9 +56,10 @@ def _reduce_scatter(t: torch.Tensor, seq_dim: int, mesh) -> torch.Tensor:
     return collectives.reduce_scatter(front, mesh, 0, "sum").movedim(0, seq_dim).contiguous()
 
 
-def _scaled(t: torch.Tensor, seq_dim: int, factor: float) -> torch.Tensor:
+def _resized(t: torch.Tensor, seq_dim: int, times: int = 1, over: int = 1) -> torch.Tensor:
+    """An empty tensor like ``t`` with ``seq_dim`` ``times`` as long, or ``over`` times shorter (fake results)."""
     shape = list(t.shape)
-    shape[seq_dim] = int(shape[seq_dim] * factor)
+    shape[seq_dim] = shape[seq_dim] * times // over
     return t.new_empty(shape)
 
 
@@ -71,7 +72,7 @@ def _allgather_op(k: torch.Tensor, v: torch.Tensor, seq_dim: int, pg_name: str) 
 @_allgather_op.register_fake
 def _(k, v, seq_dim, pg_name):
     n = _group_size(pg_name)
-    return _scaled(k, seq_dim, n), _scaled(v, seq_dim, n)
+    return _resized(k, seq_dim, times=n), _resized(v, seq_dim, times=n)
 
 
 @torch.library.custom_op("shardprop::flex_cp_allgather_backward", mutates_args=())
@@ -84,7 +85,7 @@ def _allgather_backward_op(grad_k: torch.Tensor, grad_v: torch.Tensor, seq_dim: 
 @_allgather_backward_op.register_fake
 def _(grad_k, grad_v, seq_dim, pg_name):
     n = _group_size(pg_name)
-    return _scaled(grad_k, seq_dim, 1 / n), _scaled(grad_v, seq_dim, 1 / n)
+    return _resized(grad_k, seq_dim, over=n), _resized(grad_v, seq_dim, over=n)
 
 
 def _setup(ctx, inputs, output) -> None:
