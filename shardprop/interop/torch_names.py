@@ -82,13 +82,13 @@ def not_provided(module: str, name: str) -> type:
     raises, naming it, and ``isinstance(x, it)`` is False for everything (no shardprop object is one).
 
     Example:
-        >>> balancer = not_provided("torch.distributed.tensor.experimental._attention", "_PTRRLoadBalancer")
-        >>> isinstance(object(), balancer)
+        >>> rotate = not_provided("torch.distributed.tensor.experimental._attention", "_RotateMethod")
+        >>> isinstance(object(), rotate)
         False
-        >>> balancer()
+        >>> rotate()
         Traceback (most recent call last):
         ...
-        NotImplementedError: shardprop does not provide torch.distributed.tensor.experimental._attention._PTRRLoadBalancer (imported through shardprop.launch); the program used it
+        NotImplementedError: shardprop does not provide torch.distributed.tensor.experimental._attention._RotateMethod (imported through shardprop.launch); the program used it
     """
     where = f"{module}.{name}"
 
