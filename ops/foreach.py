@@ -24,6 +24,7 @@ from shardprop.dispatch import propagate as _prop
 from shardprop.dispatch import registry
 from shardprop.dispatch.op_schema import OpSchema
 from shardprop.dispatch.registry import rule
+from shardprop.tensor.placement import is_shard_like
 from shardprop.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
@@ -278,7 +279,7 @@ def _norm_local(op, out, largs, lkwargs):
         else:
             local = torch.linalg.vector_norm(x, p)
         results.append(local)
-        dims = tuple(m for m, pl in enumerate(spec.placements) if pl.is_shard())
+        dims = tuple(m for m, pl in enumerate(spec.placements) if is_shard_like(pl))  # strided shards too
         if dims:
             groups.setdefault(dims, []).append(i)
     for dims, idx in groups.items():
@@ -306,6 +307,6 @@ def _foreach_overloads():
 
 
 FOREACH_OPS = _foreach_overloads()
-rule(*FOREACH_OPS, per_dim=False)(foreach_options)
+rule(*FOREACH_OPS, per_dim=False, strided=True)(foreach_options)
 dispatcher.register_positionwise(FOREACH_OPS)  # lists mixing plain tensors and DTensors: split by position
 registry.register_local_call(aten._foreach_norm.Scalar, _norm_local)

@@ -86,5 +86,5 @@ def fused_optimizer_options(ctx):
     return [(tuple(ins), tuple(outs))]
 
 
-rule(*FUSED_OPTIMIZER_OPS, per_dim=False)(fused_optimizer_options)
+rule(*FUSED_OPTIMIZER_OPS, per_dim=False, strided=True)(fused_optimizer_options)
 dispatcher.register_positionwise(FUSED_OPTIMIZER_OPS)  # plain parameters beside DTensor ones: split by position

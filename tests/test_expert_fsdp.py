@@ -53,7 +53,17 @@ def _dim1(param):
     return Shard(1)
 
 
-def _build(ac, shard_placement=None, compiled=False):
+def _per_parameter_mesh(layer, efsdp, dp, expert_dim):
+    """torchtitan's shard_placement_fn under EP (distributed/fsdp.py): experts over efsdp on ``expert_dim``
+    (0 when the experts outnumber efsdp x ep: a strided shard), every other parameter over the whole dp mesh."""
+    from shardprop import Shard
+    from shardprop.parallel.fsdp import ShardPlacementResult, _get_mesh_info
+    experts, e_info, d_info = set(layer.experts.parameters()), _get_mesh_info(efsdp), _get_mesh_info(dp)
+    dim = {"experts-dim0": 0, "experts-dim1": 1}[expert_dim]
+    return lambda p: ShardPlacementResult(Shard(dim), e_info) if p in experts else ShardPlacementResult(Shard(0), d_info)
+
+
+def _build(ac, shard_placement=None, compiled=False, one_call=None):
     """(one-process reference, the ep2 x dp2 copy, the 2x2 mesh) on this rank."""
     from shardprop import ExpertParallel, fully_shard, init_device_mesh, parallelize_module
     shard_placement = {None: None, "dim1": _dim1}[shard_placement]
@@ -66,6 +76,10 @@ def _build(ac, shard_placement=None, compiled=False):
     dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     for layer in model.layers:
         parallelize_module(layer.experts, mesh["ep"], ExpertParallel())
+        if one_call:  # torchtitan's: one fully_shard per block, a mesh per parameter
+            fully_shard(layer, mesh=dp, shard_placement_fn=_per_parameter_mesh(layer, mesh["efsdp"], dp, one_call))
+            layer.set_gradient_divide_factor(dp.size())
+            continue
         fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=shard_placement)
         layer.experts.set_gradient_divide_factor(dp.size())
         fully_shard(layer, mesh=dp)
@@ -75,8 +89,8 @@ def _build(ac, shard_placement=None, compiled=False):
     return ref, model, mesh
 
 
-def _train(ac=False, shard_placement=None, compiled=False):
-    ref, model, mesh = _build(ac, shard_placement, compiled)
+def _train(ac=False, shard_placement=None, compiled=False, one_call=None):
+    ref, model, mesh = _build(ac, shard_placement, compiled, one_call)
     me = dist.get_rank()
     layouts = {n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()}
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -125,6 +139,20 @@ def test_experts_fully_sharded_over_efsdp_train_like_one_process(ac, placement, 
         assert [str(p) for p in pl] == ["S(0)"] and shape == (2, 16), layouts["layers.1.router.gate.weight"]
         pl, shape = layouts["head.weight"]
         assert [str(p) for p in pl] == ["S(0)"] and shape == (4, 16), layouts["head.weight"]
+
+
+@pytest.mark.parametrize("one_call", ["experts-dim0", "experts-dim1"])
+def test_one_fully_shard_with_a_mesh_per_parameter_trains_like_one_process(one_call):
+    """torchtitan's EP layout in one call per block: ShardPlacementResult puts the experts in a member unit
+    over efsdp (dim 0 on top of ep's dim 0 is torch's strided shard), the rest over the whole dp mesh."""
+    for losses, ref_losses, errors, layouts, me in run_on_ranks(4, _train, False, None, False, one_call, timeout=60):
+        assert not errors, "\n".join(errors)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=ATOL, rtol=ATOL)
+        pl, shape = layouts["layers.0.experts.w1"]
+        want = (["_S(0, sf=2)", "S(0)"], (2, 16, 24)) if one_call == "experts-dim0" else (["S(1)", "S(0)"], (4, 8, 24))
+        assert ([str(p) for p in pl], shape) == want, layouts["layers.0.experts.w1"]
+        pl, shape = layouts["layers.1.router.gate.weight"]
+        assert [str(p) for p in pl] == ["S(0)"] and shape == (2, 16), layouts["layers.1.router.gate.weight"]
 
 
 def _refused_dim():

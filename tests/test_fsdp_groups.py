@@ -369,11 +369,11 @@ def _mesh_infos():
                 if p.ndim == 2 else ShardPlacementResult(Shard(0), info))
     out["placement"] = model.weight.placements[0] == Shard(1) and model.bias.placements[0] == Shard(0)
     other = _get_mesh_info(mesh["ep"])
-    try:
-        fully_shard(nn.Linear(4, 4), mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other))
-        out["other"] = None
-    except NotImplementedError as e:
-        out["other"] = str(e)
+    lin = nn.Linear(4, 4)
+    fully_shard(lin, mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other if p.ndim == 2 else info))
+    unit = lin._fsdp_unit  # the bias over dp_shard (the call's mesh), the weight in a member unit over ep
+    out["other"] = (unit.dp_mesh == mesh["dp_shard"], [m.dp_mesh == mesh["ep"] for m in unit.members],
+                    lin.weight.device_mesh == mesh["ep"], lin.bias.device_mesh == mesh["dp_shard"])
     out["is_fsdp_info"] = isinstance(info, FSDPMeshInfo)
     return out
 
@@ -384,5 +384,5 @@ def test_mesh_infos_as_torchtitan_uses_them():
         assert out["one"][:2] == ("FSDPMeshInfo", 2) and out["one"][2]
         assert out["hsdp"] == (True, 2, 2)
         assert out["placement"] is True
-        assert out["other"] and "another mesh" in out["other"]
+        assert out["other"] == (True, [True], True, True)
         assert out["is_fsdp_info"]

@@ -120,11 +120,13 @@ def _ops_on_strided():
         xg = P.distribute_tensor(a, mesh, ours).requires_grad_()
         (xg * 2).sum().backward()
         out.append((tag, "grad", torch.allclose(xg.grad.full_tensor(), torch.full_like(a, 2.0))))
+        x.add_(1.0)  # elementwise on its own layout: in place on the local pieces
+        out.append((tag, "inplace", torch.allclose(x.full_tensor(), a + 1) and tuple(x.placements) == tuple(ours)))
         try:
-            x.add_(1.0)
-            out.append((tag, "inplace_refused", False))
-        except Exception as e:  # a gathered copy cannot stand in for the target
-            out.append((tag, "inplace_refused", "_S(" in str(e)))
+            x.add_(P.distribute_tensor(b, mesh, rep))
+            out.append((tag, "mixed_inplace_refused", False))
+        except Exception as e:  # another layout: a gathered copy cannot stand in for the target
+            out.append((tag, "mixed_inplace_refused", "_S(" in str(e)))
     return out
 
 
@@ -134,22 +136,37 @@ def test_ops_on_strided():
         assert not bad, bad
 
 
-def _dcp_refuses_strided():
+def _dcp_with_strided(path):
+    """A strided shard nested under a Shard of its dim (one run per rank) saves and loads as one chunk, the
+    same chunk torch's DTensor gives; a strided shard that is several runs on a rank is refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import distribute_tensor as torch_distribute
+    from torch.distributed.tensor.placement_types import Shard as TShard, _StridedShard as TStrided
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     import shardprop as P
+    full = torch.arange(16.0).reshape(8, 2)
     mesh = P.init_device_mesh("cpu", (2, 2))
-    x = P.distribute_tensor(torch.arange(16.0).reshape(8, 2), mesh, [P._StridedShard(0, split_factor=2), P.Shard(0)])
-    got = []
-    for hook in (lambda: x.__create_chunk_list__(), lambda: x.__create_write_items__("w", x)):
-        try:
-            hook()
-            got.append(False)
-        except NotImplementedError as e:  # never a silently wrong chunk
-            got.append("_S(0, sf=2)" in str(e))
-    return got
+    x = P.distribute_tensor(full, mesh, [P._StridedShard(0, split_factor=2), P.Shard(0)])
+    theirs = torch_distribute(full, torch_mesh("cpu", (2, 2)), [TStrided(0, split_factor=2), TShard(0)])
+    chunk = lambda t: [(tuple(c.offsets), tuple(c.sizes)) for c in t.__create_chunk_list__()]
+    same_chunk = chunk(x) == chunk(theirs)
+    dcp.save({"w": x}, checkpoint_id=path)
+    back = P.distribute_tensor(torch.zeros(8, 2), mesh, [P.Shard(1), P.Shard(0)])
+    dcp.load({"w": back}, checkpoint_id=path)
+    again = P.distribute_tensor(torch.zeros(8, 2), mesh, [P._StridedShard(0, split_factor=2), P.Shard(0)])
+    dcp.load({"w": again}, checkpoint_id=path)
+    several = P.distribute_tensor(full, mesh, [P._StridedShard(0, split_factor=2), P.Replicate()])
+    try:
+        several.__create_chunk_list__()
+        refused = False
+    except NotImplementedError as e:  # never a silently wrong chunk
+        refused = "_S(0, sf=2)" in str(e)
+    return (same_chunk, torch.equal(back.full_tensor(), full), torch.equal(again.to_local(), x.to_local()),
+            refused)
 
 
-def test_dcp_refuses_strided():
-    assert run_on_ranks(4, _dcp_refuses_strided) == [[True, True]] * 4
+def test_dcp_saves_a_strided_shard_that_is_one_box_and_refuses_one_that_is_not(tmp_path):
+    assert run_on_ranks(4, _dcp_with_strided, str(tmp_path / "ckpt")) == [(True, True, True, True)] * 4
 
 
 def test_torch_name_maps_to_ours():
@@ -157,3 +174,42 @@ def test_torch_name_maps_to_ours():
     from shardprop.interop.torch_names import resolve
     for mod in ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types"):
         assert resolve(mod, "_StridedShard") is shardprop._StridedShard
+
+
+def _elementwise_keeps_strided():
+    """An optimizer's updates on a strided shard (fully_shard-ed experts): elementwise ops, in place too, on
+    inputs of one strided layout run on the local pieces and keep the layout; values as on the whole tensor."""
+    import shardprop as P
+    mesh = P.init_device_mesh("cpu", (2, 2))
+    layout = [P._StridedShard(0, split_factor=2), P.Shard(0)]
+    full = torch.arange(1.0, 17.0).reshape(8, 2)
+    x, g = P.distribute_tensor(full, mesh, layout), P.distribute_tensor(full.flip(0), mesh, layout)
+    m = torch.zeros_like(x)
+    m.lerp_(g, 0.1)
+    v = torch.zeros_like(x).addcmul_(g, g, value=0.01)
+    torch._foreach_addcdiv_([x], [m], [v.sqrt() + 1e-8], [-0.5])
+    want_m = torch.zeros_like(full).lerp_(full.flip(0), 0.1)
+    want_v = torch.zeros_like(full).addcmul_(full.flip(0), full.flip(0), value=0.01)
+    want = full.clone().addcdiv_(want_m, want_v.sqrt() + 1e-8, value=-0.5)
+    kept = all(t.placements == tuple(layout) for t in (x, m, v))
+    other = P.distribute_tensor(full, mesh, [P.Shard(0), P.Shard(1)])
+    try:
+        x.add_(other)  # layouts differ: a gathered copy cannot stand in for the target
+        refused = False
+    except Exception as e:  # noqa: BLE001
+        refused = "_S(0, sf=2)" in str(e)
+    # torchtitan's fused AdamW over experts (strided, on the (efsdp, ep) mesh) and dense weights on another mesh
+    dense = torch.nn.Parameter(P.distribute_tensor(full, P.init_device_mesh("cpu", (4,)), [P.Shard(0)]))
+    expert = torch.nn.Parameter(P.distribute_tensor(full, mesh, layout))
+    plain = [torch.nn.Parameter(full.clone()) for _ in range(2)]
+    for params in ([expert, dense], plain):
+        for q in params:
+            q.grad = torch.ones_like(q) * 0.5
+        torch.optim.AdamW(params, lr=0.1, fused=True).step()
+    fused = all(torch.allclose(q.full_tensor(), r.detach()) for q, r in zip((expert, dense), plain)) and \
+        expert.placements == tuple(layout)
+    return kept, torch.allclose(x.full_tensor(), want), torch.allclose(m.full_tensor(), want_m), refused, fused
+
+
+def test_elementwise_ops_keep_a_strided_layout_in_place_too():
+    assert run_on_ranks(4, _elementwise_keeps_strided) == [(True, True, True, True, True)] * 4

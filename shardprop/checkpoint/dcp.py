@@ -36,15 +36,20 @@ from shardprop.mesh.async_tensor import wait_all
 from shardprop.tensor.dtensor import DTensor
 from shardprop.tensor.placement import Partial, has_strided, without_partial
 from shardprop.tensor.redistribute import redistribute_local
+from shardprop.tensor.strided import strided_box
 
 
 def _box(dt: DTensor):
     spec = dt._spec
     if has_strided(spec.placements):
-        # A strided shard is several runs of the global tensor, never one box: one chunk would
-        # silently save (and load) the wrong elements.
-        raise NotImplementedError(f"DCP: a DTensor laid out as {list(spec.placements)} (a _StridedShard) has no "
-                                  "single chunk per rank; redistribute it to Shard/Replicate placements to save it")
+        # A strided shard is usually several runs of the global tensor: one chunk would silently save (and
+        # load) the wrong elements. Nested under a Shard of the same dim it is one run, and one box.
+        box = strided_box(spec.shape, spec.mesh.shape, spec.mesh._coord, spec.placements)
+        if box is None:
+            raise NotImplementedError(f"DCP: a DTensor laid out as {list(spec.placements)} (a _StridedShard) has "
+                                      "several chunks on this rank; redistribute it to Shard/Replicate placements "
+                                      "to save it")
+        return box
     return shard_box(spec.shape, spec.mesh.shape, spec.mesh._coord, spec.placements)
 
 

@@ -27,7 +27,8 @@ from shardprop.dispatch.op_schema import (
     ScalarTensor,
     _Marker,
 )
-from shardprop.tensor.placement import Replicate, Shard, _StridedShard, has_strided
+from shardprop.dispatch.strided_inputs import is_pointwise, unstrided
+from shardprop.tensor.placement import Replicate, Shard, has_strided
 from shardprop.tensor.redistribute import (
     local_bytes,
     plan_redistribute,
@@ -366,14 +367,29 @@ def propagate_uncached(schema: OpSchema) -> OutputSharding:
     return _propagate_uncounted(schema, cached=False)
 
 
-def _unstrided(a):
-    """``a`` (a schema's args or kwargs) with every ``_StridedShard`` of every spec as ``Replicate``."""
-    if type(a) is DTensorSpec:
-        return a.with_placements(Replicate() if type(p) is _StridedShard else p for p in a.placements) \
-            if has_strided(a.placements) else a
-    if type(a) is tuple:
-        return tuple(_unstrided(x) for x in a)
-    return a
+def _takes_strided(op) -> bool:
+    """Whether ``op``'s rule places strided inputs itself (foreach: per element; fused optimizers)."""
+    r = registry.lookup(op)
+    return r is not None and r.strided
+
+
+def _same_layout_pointwise(schema: OpSchema, cached: bool, check_out: bool) -> Optional[OutputSharding]:
+    """A pointwise op whose DTensor inputs share one strided layout runs on the aligned locals and keeps it
+    (in place too: optimizer updates of fully_shard-ed experts). The rule answers with each strided mesh dim
+    as the ``Shard`` of its dim; taken when it keeps inputs and outputs so (exact for a pointwise op,
+    whatever the order of the shard's elements). None: the gather path decides."""
+    specs = PropContext(schema, cached).specs
+    if not is_pointwise(schema.op) or any(s != specs[0] for s in specs[1:]):
+        return None
+    out = _propagate_uncounted(OpSchema(schema.op, unstrided(schema.args, True), unstrided(schema.kwargs, True)),
+                               cached, check_out)
+    plain = unstrided(specs[0], True).placements
+    if out.needs_redistribute or out.local_call is not None or out.outside or \
+            any(o is not None and o.placements != plain for o in out.out_specs):
+        return None
+    strided = specs[0].placements
+    return dataclasses.replace(out, in_specs=tuple(specs), out_specs=tuple(
+        None if o is None else o.with_placements(strided) for o in out.out_specs))
 
 
 def _via_replicate(schema: OpSchema, cached: bool, check_out: bool) -> OutputSharding:
@@ -384,7 +400,7 @@ def _via_replicate(schema: OpSchema, cached: bool, check_out: bool) -> OutputSha
     so only misses come here. A strided in-place target or ``out=`` cannot be written through
     a gathered copy: refused.
     """
-    plain = OpSchema(schema.op, _unstrided(schema.args), _unstrided(schema.kwargs))
+    plain = OpSchema(schema.op, unstrided(schema.args), unstrided(schema.kwargs))
     out = _propagate_uncounted(plain, cached, check_out)
     specs = PropContext(schema, cached).specs
     written = [v for k, v in schema.kwargs if k in written_kwargs(schema.op)]
@@ -400,8 +416,9 @@ def _via_replicate(schema: OpSchema, cached: bool, check_out: bool) -> OutputSha
 
 def _propagate_uncounted(schema: OpSchema, cached: bool = True, check_out: bool = True) -> OutputSharding:
     op = schema.op
-    if any(has_strided(s.placements) for s in schema.specs):  # a miss only: the cache-hit path never gets here
-        return _via_replicate(schema, cached, check_out)
+    if any(has_strided(s.placements) for s in schema.specs) and not _takes_strided(op):
+        # a miss only: the cache-hit path never gets here
+        return _same_layout_pointwise(schema, cached, check_out) or _via_replicate(schema, cached, check_out)
     ctx = PropContext(schema, cached)
     if not ctx.specs:
         raise ShardingError(f"{op}: called with no DTensor inputs")

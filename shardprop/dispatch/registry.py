@@ -275,6 +275,7 @@ class Rule:
     fn: Callable
     per_dim: bool
     user: bool = False
+    strided: bool = False  # the rule takes _StridedShard inputs as they are (else they reach it gathered)
 
     @property
     def name(self) -> str:
@@ -287,8 +288,11 @@ def _overloads(op) -> Iterable:
     return [op]
 
 
-def rule(*ops, per_dim: bool = True):
+def rule(*ops, per_dim: bool = True, strided: bool = False):
     """Register a built-in rule for ``ops`` (overloads, or packets meaning all their overloads).
+
+    ``strided=True``: the rule places ``_StridedShard`` inputs itself (list ops that update each
+    position from the same position of the other lists); other rules see them gathered.
 
     Example:
         >>> @rule(aten.relu.default, aten.neg.default)  # doctest: +SKIP
@@ -297,7 +301,7 @@ def rule(*ops, per_dim: bool = True):
     def deco(fn):
         for op in ops:
             for o in _overloads(op):
-                _BUILTIN[o] = Rule(fn, per_dim)
+                _BUILTIN[o] = Rule(fn, per_dim, strided=strided)
                 _refresh(o)
         _changed()
         return fn

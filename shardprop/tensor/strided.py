@@ -89,6 +89,28 @@ def strided_shape_and_offset(shape, mesh_shape, coord, placements):
     return tuple(size), tuple(offset)
 
 
+def strided_box(shape, mesh_shape, coord, placements):
+    """(offsets, sizes) of this coordinate's shard when it is one box of the global tensor, else None.
+
+    A strided shard is usually several runs; nested under a ``Shard`` of the same dim whose pieces it
+    splits (fully_shard over expert-parallel experts: ``[_StridedShard(0, sf=ep), Shard(0)]``) each
+    rank's indices are one run, and checkpoints can describe it as a box.
+
+    Example:
+        >>> strided_box((8, 3), (2, 2), (1, 0), (_StridedShard(0, split_factor=2), Shard(0)))
+        ((2, 0), (2, 3))
+        >>> strided_box((8, 3), (2,), (1,), (_StridedShard(0, split_factor=2),)) is None
+        True
+    """
+    offsets, sizes = [0] * len(shape), list(shape)
+    for d in {p.dim for p in placements if type(p) in (Shard, _StridedShard)}:
+        idx = dim_indices(shape[d], mesh_shape, coord, placements, d)
+        if idx and idx != list(range(idx[0], idx[0] + len(idx))):
+            return None
+        offsets[d], sizes[d] = (idx[0], len(idx)) if idx else (shape[d], 0)
+    return tuple(offsets), tuple(sizes)
+
+
 def pick(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor:
     """This coordinate's shard of ``full`` (a new contiguous tensor), strided placements included.
 

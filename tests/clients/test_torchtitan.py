@@ -31,8 +31,6 @@ KNOWN_GAPS = {
     "tp2_fsdp2_spmd_types": "fully_shard reading spmd_types' annotations of plain tensor-parallel parameters (torch 2.15's "
                             "_resolve_spmd_types_for_storage); shardprop asks for DTensors on a mesh with model-parallel "
                             "dims, as torch 2.13 does",
-    "moe_ep2_fsdp4": "fully_shard with one shard mesh per parameter (ShardPlacementResult.mesh_info: experts on the "
-                     "efsdp mesh, the rest on fsdp; torchtitan/distributed/fsdp.py:297) in one unit",
 }
 
 

@@ -16,7 +16,10 @@ On a ``("dp", "tp")`` mesh, after ``parallelize_module(model, mesh["tp"], plan)`
 dp dim splits tensor dim 0, unless tp already splits dim 0 (column-parallel
 weights): then dp splits dim 1, so the spec (``[S(1), S(0)]`` on the 2-D mesh) says
 exactly what each rank holds; a 1-d such parameter (a column-parallel bias) stays
-whole over dp (``[R, S(0)]``). No strided-shard placement is ever needed.
+whole over dp (``[R, S(0)]``). A ``shard_placement_fn`` asking dp to split the dim tp splits
+gets torch's ``[_StridedShard(0, split_factor=tp), S(0)]`` (still one run of the tensor per rank).
+A ``ShardPlacementResult`` naming another mesh puts its parameter in a member unit over that mesh
+(torchtitan's experts over "efsdp", the rest over the whole dp mesh, in one ``fully_shard`` call).
 
 A 2-D ``mesh`` (replicate, shard) without ``dim`` is HSDP, as in torch: parameters
 ``[Replicate(), Shard(0)]``, gathered over the shard dim, gradients reduce-scattered
@@ -42,7 +45,7 @@ from shardprop.parallel.fsdp.unit import FSDPUnit
 from shardprop.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from shardprop.tensor.dtensor import DTensor, make_spec
 from shardprop.tensor.layout import chunk_bounds
-from shardprop.tensor.placement import Replicate, Shard, as_placement
+from shardprop.tensor.placement import Replicate, Shard, _StridedShard, as_placement
 
 _DEFAULT_MESHES: Dict[str, object] = {}
 _POST_FORWARD_MESHES: Dict[tuple, object] = {}
@@ -169,19 +172,43 @@ def _managed_params(roots: List[nn.Module], ignored: Set[int]):
 def _chosen(fn, p, dp_mesh=None):
     """What ``shard_placement_fn`` returns for ``p``, torch's placements taken as ours (None: the default).
 
-    A ``ShardPlacementResult`` (placement and mesh info) is taken when its mesh is the unit's shard mesh.
+    Of a ``ShardPlacementResult`` the placement (its mesh info chose the unit member, :func:`_shard_groups`).
     """
     pl = fn(p) if fn is not None else None
     if pl is not None and hasattr(pl, "mesh_info") and hasattr(pl, "placement"):
-        info = pl.mesh_info
-        mesh = getattr(info, "mesh", None)
-        shard = mesh[mesh.mesh_dim_names[info.shard_mesh_dim]] if mesh is not None and mesh.ndim > 1 else mesh
-        if dp_mesh is not None and shard != dp_mesh:
-            raise NotImplementedError(f"fully_shard: shard_placement_fn returned a ShardPlacementResult on {mesh}, "
-                                      f"another mesh than the unit's ({dp_mesh}); a parameter mesh per parameter "
-                                      f"(experts on their own mesh) needs its own fully_shard call in shardprop")
         pl = pl.placement
     return pl if pl is None else (as_placement(pl) or pl)
+
+
+def _info_mesh(fn, p):
+    """The mesh info a ``shard_placement_fn`` gives ``p`` in a ``ShardPlacementResult`` (None: the call's mesh)."""
+    pl = fn(p) if fn is not None else None
+    return getattr(pl, "mesh_info", None) if hasattr(pl, "placement") else None
+
+
+def _shard_groups(params, fn, mesh, dim, plan, device_type: str):
+    """The parameters by the mesh they shard over: [((spec mesh, shard mesh, replicate mesh), plan, params)].
+
+    The call's mesh first. A ``shard_placement_fn`` returning a ``ShardPlacementResult`` whose mesh
+    info is another mesh (torchtitan: routed experts over the expert-data-parallel mesh, the rest over
+    the whole dp mesh) puts the parameter in that mesh's group; each group becomes one member unit.
+    """
+    default = _resolve_meshes(mesh, dim, device_type)
+    groups = {}
+    for entry in params:
+        info = _info_mesh(fn, entry[3])
+        key, g_plan = default, plan
+        if info is not None:
+            if getattr(info, "dp_mesh_dims", None) is not None:
+                g_plan = plan_dp_mesh_dims(info.spmd_mesh, info.dp_mesh_dims)
+                key = _resolve_meshes(g_plan.fsdp_mesh, None, device_type)
+            else:
+                g_plan, key = None, _resolve_meshes(info.mesh, None, device_type)
+            if key[1] == default[1]:
+                key, g_plan = default, plan
+        groups.setdefault(key, (g_plan, []))[1].append(entry)
+    ordered = sorted(groups.items(), key=lambda kv: kv[0] is not default)
+    return [(meshes, g_plan, ps) for meshes, (g_plan, ps) in ordered] or [(default, plan, [])]
 
 
 def _placement_dim(fn, fqn: str, p, D: int, dp_mesh=None, local=None) -> int:
@@ -255,12 +282,25 @@ def _combine(fqn: str, dp_mesh, tp_mesh):
                      f"dp and tp dims are different dims (e.g. one ('dp', 'tp') mesh)")
 
 
+def _splits_tp_dim(fn, p: DTensor, tp_pl) -> bool:
+    """Whether ``shard_placement_fn`` asks dp to split the tensor dim tp already splits (``Shard(0)`` for
+    experts ``Shard(0)`` over ep, as torchtitan asks when the experts outnumber efsdp x ep).
+
+    Then dp splits the tp piece's dim again and the dp mesh dim's placement is torch's
+    ``_StridedShard(dim, split_factor=tp size)``: each rank's piece is still one run of the tensor.
+    """
+    pl = _chosen(fn, p)
+    if type(pl) is not Shard or type(tp_pl) is not Shard:
+        return False
+    return (pl.dim + p.ndim if pl.dim < 0 else pl.dim) == tp_pl.dim
+
+
 def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int, dp_mesh=None) -> None:
     """``shard_placement_fn`` on a DTensor parameter may only name the dim dp splits anyway.
 
     Why: torchtitan passes ``lambda p: Shard(1)`` for experts already ``Shard(0)`` over ep; that
-    is exactly the layout chosen here, so it is accepted; any other dim would need a placement
-    shardprop does not have (strided shards), and is refused.
+    is exactly the layout chosen here, so it is accepted. The dim tp splits is taken too
+    (:func:`_splits_tp_dim`, a strided shard); any other dim is refused.
     """
     pl = _chosen(fn, p, dp_mesh)
     if pl is None:
@@ -293,13 +333,19 @@ def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
             parent, dp_at = plan.spmd_mesh, plan.shard_dim
             tp_pl = p._spec.placements[plan.other[0]]
             sdim = _dp_dim_beside(fqn, p, tp_pl, plan.spmd_mesh.mesh_dim_names[plan.other[0]])
-        _check_fixed_dim(fn, fqn, p, sdim, dp_mesh)
         local = p._local_tensor.detach()
-        if sdim > 0 and local.shape[sdim] % D:
+        strided = _splits_tp_dim(fn, p, tp_pl)
+        if strided:  # dp splits the tp piece's own dim: torch's right-to-left layout
+            sdim = tp_pl.dim
+            dp_pl = _StridedShard(sdim, split_factor=parent.size(1 - dp_at))
+        else:
+            _check_fixed_dim(fn, fqn, p, sdim, dp_mesh)
+            dp_pl = Shard(sdim) if sdim != REPLICATED else Replicate()
+        if (sdim > 0 or strided) and local.shape[sdim] % D:
             raise NotImplementedError(f"fully_shard: parameter {fqn!r}: its tp-local dim {sdim} "
                                       f"({local.shape[sdim]}) must divide by dp={D}")
         placements = [None, None]
-        placements[dp_at], placements[1 - dp_at] = (Shard(sdim) if sdim != REPLICATED else Replicate()), tp_pl
+        placements[dp_at], placements[1 - dp_at] = dp_pl, tp_pl
         keep = plan.dp_dims if plan is not None else ()
         return local, sdim, make_spec(parent, placements, p.shape, dtype=p.dtype), p._spec, keep
     full_spec, keep = None, ()
@@ -310,6 +356,65 @@ def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
     sdim = _placement_dim(fn, fqn, p, D, dp_mesh, local)
     placements = [Shard(sdim)] if rep_mesh is None else [Replicate(), Shard(sdim)]
     return local, sdim, make_spec(spec_mesh, placements, p.shape, dtype=p.dtype), full_spec, keep
+
+
+def _build_unit(roots, params, meshes, plan, fn, reshard_after_forward, mp_policy, offload_policy) -> FSDPUnit:
+    """One unit over ``roots`` for ``params``, all sharded over one mesh (``meshes``: see :func:`_shard_groups`)."""
+    spec_mesh, dp_mesh, rep_mesh = meshes
+    if dp_mesh._coord is None:
+        raise RuntimeError(f"fully_shard: this rank is not in the dp mesh {dp_mesh}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    pin = offload and offload_policy.pin_memory
+    if pin and dp_mesh.device_type == "cpu":
+        raise RuntimeError("fully_shard: CPUOffloadPolicy(pin_memory=True) on a CPU mesh: pinning host memory "
+                           "needs an accelerator, and on a CPU mesh the parameters already live in host memory; "
+                           "pass CPUOffloadPolicy(pin_memory=False) (a no-op there) or no offload_policy")
+    D, me = dp_mesh.size(), dp_mesh._coord[0]
+    raf = _normalize_reshard(reshard_after_forward, D)
+    pf_mesh = _post_forward_mesh(dp_mesh, raf) if not isinstance(raf, bool) and raf is not None else None
+    names = "+".join(type(m).__name__ for m in roots)
+    tp_meshes = {p._spec.mesh for *_, p, _ in params if isinstance(p, DTensor)}
+    if len(tp_meshes) > 1:
+        raise ValueError(f"fully_shard: the parameters of {names} sharded over {dp_mesh} live on different meshes "
+                         f"{sorted(map(repr, tp_meshes))}; one unit's parameters must share one mesh")
+    if tp_meshes and rep_mesh is not None and plan is None:
+        raise NotImplementedError("fully_shard: HSDP (a 2-d mesh) over DTensor (tensor-parallel) parameters; "
+                                  "pass the dp dim's mesh, e.g. mesh=mesh['dp']")
+    slots, sources, specs = [], [], []
+    for m, name, fqn, p, aliases in params:
+        if p.ndim == 0:
+            raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
+        local, sdim, spec, tp_spec, keep = _layout(fqn, p, fn, dp_mesh, spec_mesh, rep_mesh, plan)
+        slots.append(ParamSlot(m, name, fqn, None, local.shape, sdim, D, me, p.dtype, p.requires_grad,
+                               tp_spec=tp_spec, keep_dims=tuple(keep), aliases=aliases))
+        sources.append(local)
+        specs.append(spec)
+    dtypes = {s.orig_dtype for s in slots}
+    if len(dtypes) > 1:
+        raise NotImplementedError(f"fully_shard: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
+    compute = {mp_policy.param_compute_dtype(p) for *_, p, _ in params}
+    if len(compute) > 1:  # one flat gather per unit: one dtype
+        raise NotImplementedError(f"fully_shard: param_dtype_override_fn gives the parameters of one unit several "
+                                  f"compute dtypes {sorted(map(str, compute))}; shard them as separate units")
+    buffers = None
+    if slots:
+        orig = slots[0].orig_dtype
+        device = _compute_device(dp_mesh, offload, sources[0])
+        buffers = UnitBuffers(slots, orig, compute.pop(), mp_policy.grad_reduce_dtype(orig), device,
+                              shard_device=torch.device("cpu") if offload else None, pin_memory=pin)
+        for s, src, spec in zip(slots, sources, specs):
+            if s.dim != REPLICATED:
+                off, n = chunk_bounds(src.shape[s.dim], D, me)
+                src = src.narrow(s.dim, off, n)
+            local = buffers.hold_piece(s, src)
+            s.sharded = nn.Parameter(DTensor(local, spec), requires_grad=s.requires_grad)
+            s.sharded._local_tensor = local
+            s.full_param = buffers.full_param(s)
+            for owner, pname in s.owners():
+                owner._parameters[pname] = s.sharded
+        buffers.free_full()
+    return FSDPUnit(tuple(roots), slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
+                    replicate_mesh=rep_mesh, post_forward_mesh=pf_mesh, auto_reshard=raf is None, offload=offload)
 
 
 def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
@@ -363,63 +468,15 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
         plan = plan_dp_mesh_dims(mesh, dp_mesh_dims)
         mesh = plan.fsdp_mesh
     first = next((p for m in roots for p in m.parameters()), None)
-    spec_mesh, dp_mesh, rep_mesh = _resolve_meshes(mesh, dim, first.device.type if first is not None else "cpu")
-    if dp_mesh._coord is None:
-        raise RuntimeError(f"fully_shard: this rank is not in the dp mesh {dp_mesh}")
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    pin = offload and offload_policy.pin_memory
-    if pin and dp_mesh.device_type == "cpu":
-        raise RuntimeError("fully_shard: CPUOffloadPolicy(pin_memory=True) on a CPU mesh: pinning host memory "
-                           "needs an accelerator, and on a CPU mesh the parameters already live in host memory; "
-                           "pass CPUOffloadPolicy(pin_memory=False) (a no-op there) or no offload_policy")
-    D, me = dp_mesh.size(), dp_mesh._coord[0]
-    raf = _normalize_reshard(reshard_after_forward, D)
-    pf_mesh = _post_forward_mesh(dp_mesh, raf) if not isinstance(raf, bool) and raf is not None else None
     ignored = {id(p) for p in (ignored_params or ())}
     params = _managed_params(roots, ignored)
-    names = "+".join(type(m).__name__ for m in roots)
-    meshes = {p._spec.mesh for *_, p, _ in params if isinstance(p, DTensor)}
-    if len(meshes) > 1:
-        raise ValueError(f"fully_shard: the parameters of {names} live on different meshes "
-                         f"{sorted(map(repr, meshes))}; one unit's parameters must share one mesh")
-    if meshes and rep_mesh is not None and plan is None:
-        raise NotImplementedError("fully_shard: HSDP (a 2-d mesh) over DTensor (tensor-parallel) parameters; "
-                                  "pass the dp dim's mesh, e.g. mesh=mesh['dp']")
-    slots, sources, specs = [], [], []
-    for m, name, fqn, p, aliases in params:
-        if p.ndim == 0:
-            raise NotImplementedError(f"fully_shard: parameter {fqn!r} is 0-d; give it shape (1,)")
-        local, sdim, spec, tp_spec, keep = _layout(fqn, p, shard_placement_fn, dp_mesh, spec_mesh, rep_mesh, plan)
-        slots.append(ParamSlot(m, name, fqn, None, local.shape, sdim, D, me, p.dtype, p.requires_grad,
-                               tp_spec=tp_spec, keep_dims=tuple(keep), aliases=aliases))
-        sources.append(local)
-        specs.append(spec)
-    dtypes = {s.orig_dtype for s in slots}
-    if len(dtypes) > 1:
-        raise NotImplementedError(f"fully_shard: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
-    compute = {mp_policy.param_compute_dtype(p) for *_, p, _ in params}
-    if len(compute) > 1:  # one flat gather per unit: one dtype
-        raise NotImplementedError(f"fully_shard: param_dtype_override_fn gives the parameters of one unit several "
-                                  f"compute dtypes {sorted(map(str, compute))}; shard them as separate units")
-    buffers = None
-    if slots:
-        orig = slots[0].orig_dtype
-        device = _compute_device(dp_mesh, offload, sources[0])
-        buffers = UnitBuffers(slots, orig, compute.pop(), mp_policy.grad_reduce_dtype(orig), device,
-                              shard_device=torch.device("cpu") if offload else None, pin_memory=pin)
-        for s, src, spec in zip(slots, sources, specs):
-            if s.dim != REPLICATED:
-                off, n = chunk_bounds(src.shape[s.dim], D, me)
-                src = src.narrow(s.dim, off, n)
-            local = buffers.hold_piece(s, src)
-            s.sharded = nn.Parameter(DTensor(local, spec), requires_grad=s.requires_grad)
-            s.sharded._local_tensor = local
-            s.full_param = buffers.full_param(s)
-            for owner, pname in s.owners():
-                owner._parameters[pname] = s.sharded
-        buffers.free_full()
-    unit = FSDPUnit(tuple(roots), slots, buffers, dp_mesh, True if raf is None else raf, mp_policy,
-                    replicate_mesh=rep_mesh, post_forward_mesh=pf_mesh, auto_reshard=raf is None, offload=offload)
+    groups = _shard_groups(params, shard_placement_fn, mesh, dim, plan,
+                           first.device.type if first is not None else "cpu")
+    units = [_build_unit(roots, ps, meshes, g_plan, shard_placement_fn, reshard_after_forward, mp_policy,
+                         offload_policy) for meshes, g_plan, ps in groups]
+    unit = units[0]
+    unit.add_members(units[1:])
     for m in roots:
         m._fsdp_unit = unit
         cls = m.__class__

@@ -44,7 +44,7 @@ class FSDPModule:
             >>> model.set_requires_gradient_sync(True); loss2.backward()   # reduces the sum  # doctest: +SKIP
         """
         for unit in _targets(self, recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
+            unit.configure(requires_gradient_sync=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: with False, gradients are reduce-scattered but not all-reduced across replicas.
@@ -57,7 +57,7 @@ class FSDPModule:
             >>> model.set_requires_all_reduce(True); loss2.backward()   # one all-reduce of both  # doctest: +SKIP
         """
         for unit in _targets(self, recurse):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.configure(requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (a bool; the root follows it too).
@@ -69,8 +69,7 @@ class FSDPModule:
             raise ValueError(f"set_reshard_after_forward: reshard_after_forward should be a bool, "
                              f"got {type(reshard_after_forward).__name__}")
         for unit in _targets(self, recurse):
-            unit.reshard_after_forward = reshard_after_forward
-            unit.auto_reshard = False
+            unit.configure(reshard_after_forward=reshard_after_forward, auto_reshard=False)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """With False, a unit keeps its gathered parameters after backward (no all-gather before the next forward).
@@ -81,7 +80,7 @@ class FSDPModule:
             >>> model.set_reshard_after_backward(False); model.set_requires_gradient_sync(False)  # doctest: +SKIP
         """
         for unit in _targets(self, recurse):
-            unit.reshard_after_backward = reshard_after_backward
+            unit.configure(reshard_after_backward=reshard_after_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """With False, the end of backward does not wait for the last reduce-scatter (micro-batching).
@@ -126,7 +125,7 @@ class FSDPModule:
         Example:
             >>> model.set_gradient_divide_factor(1.0)  # summed gradients  # doctest: +SKIP
         """
-        self._fsdp_unit.gradient_divide_factor = float(factor)
+        self._fsdp_unit.configure(gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in torch: use :meth:`set_gradient_divide_factor`.
@@ -142,7 +141,7 @@ class FSDPModule:
         Example:
             >>> model.tok_embeddings.set_unshard_in_backward(False)  # doctest: +SKIP
         """
-        self._fsdp_unit.unshard_in_backward = unshard_in_backward
+        self._fsdp_unit.configure(unshard_in_backward=unshard_in_backward)
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """With True, resharding keeps the full buffer's memory (same addresses every gather; more memory).
@@ -151,7 +150,7 @@ class FSDPModule:
             >>> model.set_keep_unsharded_storage(True)  # doctest: +SKIP
         """
         for unit in _targets(self, recurse):
-            unit.keep_unsharded_storage = keep
+            unit.configure(keep_unsharded_storage=keep)
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Call ``hook(reduced)`` on this unit's reduced gradient shards (flat) before they reach ``.grad``.
@@ -165,7 +164,7 @@ class FSDPModule:
         """
         if stream is not None and self._fsdp_unit.replicate_mesh is not None:
             raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP")
-        self._fsdp_unit.all_reduce_hook = hook
+        self._fsdp_unit.configure(all_reduce_hook=hook)
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: reshard everything and forget the iteration (call on the root).
@@ -184,7 +183,7 @@ class FSDPModule:
         Example:
             >>> model.set_force_sum_reduction_for_comms(True)  # doctest: +SKIP
         """
-        self._fsdp_unit.force_sum_reduction = enable
+        self._fsdp_unit.configure(force_sum_reduction=enable)
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """All-gather ``modules``' parameters right after this unit's own gather in forward.

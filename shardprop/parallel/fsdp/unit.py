@@ -9,7 +9,8 @@ launches its reduce-scatter or at the end of backward, whichever comes first.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import functools
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,6 +76,45 @@ _state = _State()
 _state.in_flight = None
 
 
+def _and_members(method):
+    """Run ``method`` on the unit, then on each of its member units (same modules, other shard meshes).
+
+    Only for a call from outside the unit: inside one of its methods (``reshard`` waiting for a
+    gather, ``release_after_backward`` swapping out) a call concerns this unit alone.
+    """
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._in_call or not self.members:
+            return method(self, *args, **kwargs)
+        self._in_call = True
+        try:
+            method(self, *args, **kwargs)
+        finally:
+            self._in_call = False
+        for member in self.members:
+            method(member, *args, **kwargs)
+    return run
+
+
+def _this_unit_only(method):
+    """The per-unit gradient path (``post_backward``, ``release_after_backward``): what it calls concerns
+    this unit alone; a member's gradients arrive on their own schedule and it releases itself."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        outer, self._in_call = self._in_call, True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._in_call = outer
+    return run
+
+
+# What FSDPModule's setters change (configure() refuses other names).
+_SETTINGS = frozenset({"requires_gradient_sync", "requires_all_reduce", "reshard_after_forward", "auto_reshard",
+                       "reshard_after_backward", "gradient_divide_factor", "unshard_in_backward",
+                       "keep_unsharded_storage", "all_reduce_hook", "force_sum_reduction"})
+
+
 class FSDPUnit:
     """The run-time state of one ``fully_shard``-ed module (see the module docstring).
 
@@ -131,7 +171,29 @@ class FSDPUnit:
         self._inputs_done = False  # this backward: the gradients of the unit's inputs are computed
         self._into_views = gather_into_views(dp_mesh) and not offload
         self._async_gather = async_gather(dp_mesh)
+        # Units over the same modules whose parameters shard over other meshes (a shard_placement_fn's
+        # ShardPlacementResult): driven by this one, each with its own all-gather and reduce-scatter.
+        self.members: Tuple["FSDPUnit", ...] = ()
+        self._in_call = False  # inside one of this unit's methods (see _and_members)
         self._hook_full_params()
+
+    def add_members(self, members: Sequence["FSDPUnit"]) -> None:
+        """Make ``members`` (units over the same modules, other shard meshes) follow this unit."""
+        self.members = tuple(members)
+        self.has_frozen = self.has_frozen or any(m.has_frozen for m in self.members)
+
+    def configure(self, **settings) -> None:
+        """Change run-time settings (FSDPModule's setters) of this unit and its members.
+
+        Example:
+            >>> unit.configure(requires_gradient_sync=False)  # doctest: +SKIP
+        """
+        unknown = set(settings) - _SETTINGS
+        if unknown:
+            raise AttributeError(f"FSDPUnit.configure: no setting {sorted(unknown)}; settings are {sorted(_SETTINGS)}")
+        for unit in (self, *self.members):
+            for name, value in settings.items():
+                setattr(unit, name, value)
 
     def _hook_full_params(self) -> None:
         for s in self.slots:
@@ -139,6 +201,7 @@ class FSDPUnit:
                 s.hooks.append(s.full_param.register_post_accumulate_grad_hook(self._grad_ready))
 
     # ---- all-gather ------------------------------------------------------------------
+    @_and_members
     def unshard(self) -> None:
         """Start the all-gather of every shard into the full buffer (no-op if under way or done).
 
@@ -173,6 +236,7 @@ class FSDPUnit:
             outs, ins = b.gather_args(shard, self._staging)
             self._gather = C.all_gather_into_views(outs, ins, b.full, self.dp_mesh, 0, async_op=self._async_gather)
 
+    @_and_members
     def wait_unsharded(self) -> None:
         """Wait for the all-gather (starting it if needed); the full parameters are then valid."""
         if self.buffers is None or self._unsharded:
@@ -193,6 +257,7 @@ class FSDPUnit:
         self._gather_from_group = False
         self._unsharded = True
 
+    @_and_members
     def reshard(self) -> None:
         """Free the full buffer (the saved-for-backward views keep the storage object, not the memory)."""
         if self.buffers is None:
@@ -204,6 +269,7 @@ class FSDPUnit:
         self._group_piece = None
         self._unsharded = False
 
+    @_and_members
     def reset(self) -> None:
         """Forget an iteration an exception aborted: sharded parameters back, nothing pending, no gradients kept."""
         if _state.in_flight is self:
@@ -220,6 +286,7 @@ class FSDPUnit:
         for s in self.slots:
             s.full_param.grad = None
 
+    @_and_members
     def reshard_to_group(self) -> None:
         """Keep only this rank's 1/N of the full buffer (N: the post-forward group's size), free the rest.
 
@@ -269,18 +336,21 @@ class FSDPUnit:
         self._hook_full_params()
 
     # ---- parameter swap --------------------------------------------------------------
+    @_and_members
     def swap_in(self) -> None:
         """Point the modules at the full parameters (plain tensors, or DTensors on the tp mesh on 2-D)."""
         for s in self.slots:
             for m, name in s.owners():
                 m._parameters[name] = s.full_param
 
+    @_and_members
     def swap_out(self) -> None:
         """Point the modules back at the sharded DTensor parameters."""
         for s in self.slots:
             for m, name in s.owners():
                 m._parameters[name] = s.sharded
 
+    @_and_members
     def swap_in_for_backward(self) -> None:
         """Backward reached the unit: the full parameters go back in, for a recomputation (activation
         checkpointing) to see what the forward saw; :meth:`release_after_backward` takes them out."""
@@ -288,18 +358,21 @@ class FSDPUnit:
             self.swap_in()
 
     # ---- gradients -------------------------------------------------------------------
+    @_and_members
     def start_backward(self) -> None:
         """Backward reached this unit: count the gradients to wait for before its reduce-scatter."""
         self._grad_pending = sum(1 for s in self.slots if s.requires_grad)
         self.backward_started = True
         self._grads_done = self._inputs_done = False
 
+    @_and_members
     def inputs_done(self) -> None:
         """The gradients of the unit's inputs are computed: nothing in the unit reads its parameters any more."""
         self._inputs_done = True
         if self._grads_done or self._grad_pending <= 0:
             self.release_after_backward()
 
+    @_this_unit_only
     def release_after_backward(self) -> None:
         """Sharded parameters back in the modules; free the full buffer (if ``reshard_after_backward``)."""
         self.swap_out()
@@ -313,6 +386,7 @@ class FSDPUnit:
         if self._grad_pending == 0:
             self.post_backward()
 
+    @_this_unit_only
     def post_backward(self) -> None:
         """The unit's gradients are all there: start their reduce-scatter, free the full buffer.
 
@@ -363,6 +437,7 @@ class FSDPUnit:
         self._reduce = (work, packed if asynchronous else None, self.requires_all_reduce, factor)
         _state.in_flight = self
 
+    @_and_members
     def finish_gradients(self, wait: bool = True) -> None:
         """End of backward: reduce what never got ready, reshard, and (``wait``) write the gradients into ``.grad``."""
         if self._grad_pending > 0 or self.backward_started:  # some gradient never arrived (unused parameter)
@@ -373,6 +448,7 @@ class FSDPUnit:
         if wait:
             self.complete_reduce()
 
+    @_and_members
     def complete_reduce(self) -> None:
         """Wait for this unit's reduce-scatter (if any), all-reduce across replicas (HSDP), write ``.grad``."""
         if _state.in_flight is self:
