@@ -216,10 +216,15 @@ def group_by_name(name: str):
     Example:
         >>> group_by_name(dist.group.WORLD.group_name)  # doctest: +SKIP
     """
-    resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
-    if resolve is None:
-        raise NotImplementedError("this torch cannot look a process group up by name; pass the group itself")
-    return resolve(name)
+    c10d = dist.distributed_c10d
+    resolve = getattr(c10d, "_resolve_process_group", None)  # 2.11-2.15: c10d's registry (C++)
+    if resolve is not None:
+        return resolve(name)
+    names = getattr(getattr(c10d, "_world", None), "pg_names", None)  # the Python side's {group: name}
+    for group, group_name in (names or {}).items():
+        if group_name == name:
+            return group
+    raise NotImplementedError(f"this torch cannot look a process group up by name ({name!r}); pass the group itself")
 
 
 # torch's count of the references to a storage (private; None where absent: never guess "sole owner").

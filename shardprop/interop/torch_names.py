@@ -38,6 +38,18 @@ _FSDP = {n: f"shardprop:{n}" for n in (
 _FUNCOL = {n: f"shardprop.mesh.functional_collectives:{n}" for n in (
     "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_to_all_single_autograd",
     "broadcast", "wait_tensor")}
+_CP = "shardprop.parallel.cp"
+_CP_PRIVATE = {
+    "_LoadBalancer": f"{_CP}.load_balance:LoadBalancer",
+    "_HeadTailLoadBalancer": f"{_CP}.load_balance:HeadTailLoadBalancer",
+    "_PerDocumentHeadTailLoadBalancer": f"{_CP}.load_balance:PerDocumentHeadTailLoadBalancer",
+    "_PTRRLoadBalancer": f"{_CP}.load_balance:PTRRLoadBalancer",
+    "_context_parallel_shard": f"{_CP}.shard:context_parallel_shard_buffers",
+    "_enable_context_parallel_dispatcher": f"{_CP}.dispatcher:enable_context_parallel_dispatcher",
+    "_disable_context_parallel_dispatcher": f"{_CP}.dispatcher:disable_context_parallel_dispatcher",
+    "flex_cp_allgather": f"{_CP}.flex:flex_cp_allgather",
+    "context_parallel": "shardprop:context_parallel",
+}
 _DEVICE_MESH = {"DeviceMesh": "shardprop:DeviceMesh", "init_device_mesh": "shardprop:init_device_mesh"}
 
 # torch module -> {name: "our_module:attribute" or NOT_PROVIDED}
@@ -48,10 +60,10 @@ TABLE: Dict[str, Dict[str, str]] = {
     "torch.distributed._tensor.placement_types": {**_PLACEMENT_TYPES, "_StridedShard": "shardprop:_StridedShard"},
     "torch.distributed.tensor.parallel": _PARALLEL,
     "torch.distributed.tensor.experimental": _EXPERIMENTAL,
-    # torchtitan's context-parallel module imports these torch-private helpers at module level.
-    "torch.distributed.tensor.experimental._attention": {n: NOT_PROVIDED for n in (
-        "_HeadTailLoadBalancer", "_PTRRLoadBalancer", "_context_parallel_shard", "_enable_context_parallel_dispatcher")},
-    "torch.distributed.tensor.experimental._context_parallel._attention": {"flex_cp_allgather": NOT_PROVIDED},
+    # torch's private context-parallel helpers (torchtitan's context-parallel module imports them)
+    "torch.distributed.tensor.experimental._attention": _CP_PRIVATE,
+    "torch.distributed.tensor.experimental._context_parallel": _CP_PRIVATE,
+    "torch.distributed.tensor.experimental._context_parallel._attention": _CP_PRIVATE,
     # torch's manual_seed does not check that ranks agree (trainers seed each pipeline stage differently)
     "torch.distributed.tensor._random": {"manual_seed": "shardprop.dispatch.random_ops:manual_seed_as_torch"},
     "torch.distributed.device_mesh": _DEVICE_MESH,
@@ -70,13 +82,13 @@ def not_provided(module: str, name: str) -> type:
     raises, naming it, and ``isinstance(x, it)`` is False for everything (no shardprop object is one).
 
     Example:
-        >>> balancer = not_provided("torch.distributed.tensor.experimental._attention", "_PTRRLoadBalancer")
-        >>> isinstance(object(), balancer)
+        >>> rotate = not_provided("torch.distributed.tensor.experimental._attention", "_RotateMethod")
+        >>> isinstance(object(), rotate)
         False
-        >>> balancer()
+        >>> rotate()
         Traceback (most recent call last):
         ...
-        NotImplementedError: shardprop does not provide torch.distributed.tensor.experimental._attention._PTRRLoadBalancer (imported through shardprop.launch); the program used it
+        NotImplementedError: shardprop does not provide torch.distributed.tensor.experimental._attention._RotateMethod (imported through shardprop.launch); the program used it
     """
     where = f"{module}.{name}"
 

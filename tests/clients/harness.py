@@ -123,6 +123,17 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in [
     Config("cp2_fsdp2", ["--parallelism.context-parallel-degree", "2", "--parallelism.data-parallel-shard-degree",
                          "2", "--training.seq-len", "512", "--parallelism.context-parallel-load-balancer", "ptrr",
                          "activation-checkpoint:none"]),
+    # the same with torchtitan's other balancer: head-tail chunks, flex attention over all-gathered K/V
+    Config("cp2_fsdp2_headtail", ["--parallelism.context-parallel-degree", "2",
+                                  "--parallelism.data-parallel-shard-degree", "2", "--training.seq-len", "512",
+                                  "--parallelism.context-parallel-load-balancer", "headtail",
+                                  "activation-checkpoint:none"]),
+    # CP with the model's blocks compiled: flex_cp_allgather is one opaque custom op in the graph
+    Config("cp2_fsdp2_compile", ["--parallelism.context-parallel-degree", "2",
+                                 "--parallelism.data-parallel-shard-degree", "2", "--training.seq-len", "512",
+                                 "--parallelism.context-parallel-load-balancer", "ptrr", "--compile.enable",
+                                 "--compile.backend", "aot_eager", "--compile.components", "model",
+                                 "activation-checkpoint:none"]),
 ]}
 
 

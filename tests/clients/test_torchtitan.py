@@ -28,8 +28,6 @@ pytestmark = [
 
 # Configurations shardprop does not run yet: name -> what is missing (see the report).
 KNOWN_GAPS = {
-    "cp2_fsdp2": "torch's private context-parallel helpers are not provided (_PTRRLoadBalancer, _HeadTailLoadBalancer, "
-                 "_context_parallel_shard, flex_cp_allgather; torchtitan/distributed/context_parallel/api.py:222)",
 }
 
 
