@@ -210,7 +210,7 @@ def default(name: str):
 
 
 def render_table() -> str:
-    """The README's settings table (markdown), rendered from :data:`SETTINGS`.
+    """The settings table of the docs (``docs/reference/settings.md``, markdown), rendered from :data:`SETTINGS`.
 
     Example:
         >>> render_table().splitlines()[0]

@@ -1,6 +1,6 @@
 """Redistribution: plan the collectives between two placement lists, then run them.
 
-Planning is per mesh dim (table in DESIGN.md) and cached per (source spec,
+Planning is per mesh dim (table in docs/design/op-path.md) and cached per (source spec,
 target placements). Two phases keep nested shards right (several mesh dims
 sharding one tensor dim, outermost first):
 
