@@ -132,7 +132,19 @@ def explain():
 
 
 class ImplicitRedistributionError(RuntimeError):
-    """An op needed a redistribution inside ``explicit("raise")``."""
+    """An op needed a redistribution inside ``explicit("raise")``.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+        >>> y = distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)])
+        >>> with explicit("raise"):
+        ...     try:
+        ...         x + y
+        ...     except ImplicitRedistributionError as e:
+        ...         print(str(e)[:55])
+        aten.add.Tensor needs an implicit redistribution: input
+    """
 
 
 @contextlib.contextmanager

@@ -13,7 +13,14 @@ _ALIASES = {"prod": "product"}
 
 
 class Placement:
-    """Base of Shard, _StridedShard, Replicate and Partial."""
+    """Base of Shard, _StridedShard, Replicate and Partial.
+
+    Example:
+        >>> [p.is_shard() for p in (Shard(0), Replicate(), Partial())]
+        [True, False, False]
+        >>> Shard(1).is_shard(dim=1), Replicate().is_replicate(), Partial().is_partial()
+        (True, True, True)
+    """
 
     __slots__ = ()
 

@@ -17,7 +17,13 @@ from shardprop.tensor.placement import Partial, Placement, Replicate, Shard, wit
 
 
 class TensorMeta(NamedTuple):
-    """Global shape, stride and dtype of a distributed tensor."""
+    """Global shape, stride and dtype of a distributed tensor.
+
+    Example:
+        >>> x = distribute_tensor(torch.ones(8, 4), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> x._spec.tensor_meta
+        TensorMeta(shape=torch.Size([8, 4]), stride=(4, 1), dtype=torch.float32)
+    """
 
     shape: torch.Size
     stride: Tuple[int, ...]

@@ -27,6 +27,11 @@ class ExpertLoad:
 
     ``imbalance``: the busiest expert's tokens over the mean per expert (1.0: perfectly even);
     ``rank_imbalance``: the same over ep ranks (what bounds the step time).
+
+    Example:
+        >>> load = ExpertLoad(tokens_per_expert=[6, 2, 0, 0], tokens_per_rank=[8, 0])
+        >>> load.imbalance, load.rank_imbalance
+        (3.0, 2.0)
     """
 
     tokens_per_expert: List[int]

@@ -174,6 +174,10 @@ class ParallelStyle:
     Subclasses install parameters (``distribute_params``) and forward hooks, and return the module.
     ``src_data_rank`` (set by ``parallelize_module``, as torch's styles carry it) is the mesh rank
     whose parameter values every rank gets; None: each rank keeps its own.
+
+    Example:
+        >>> isinstance(ColwiseParallel(), ParallelStyle)
+        True
     """
 
     src_data_rank: Optional[int] = 0
