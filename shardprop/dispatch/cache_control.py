@@ -15,7 +15,7 @@ def clear_cache() -> None:
     """Empty the propagation cache (and its statistics).
 
     Example:
-        >>> shardprop.clear_cache()  # doctest: +SKIP
+        >>> shardprop.clear_cache()
     """
     propagate.cache_clear()
     dispatcher.clear_memos()
@@ -32,7 +32,7 @@ def set_cache_size(n: int) -> None:
     """Resize the propagation cache (clears it).
 
     Example:
-        >>> shardprop.set_cache_size(1 << 20)  # doctest: +SKIP
+        >>> shardprop.set_cache_size(1 << 20)
     """
     _config.set("cache_size", n)  # propagate's watcher resizes the cache, _resized clears the memos
 
@@ -46,7 +46,7 @@ def set_fallback_to_replicate(enabled: bool) -> None:
     """Run ops that have no rule on replicated inputs (with a warning) instead of raising.
 
     Example:
-        >>> shardprop.set_fallback_to_replicate(True)  # doctest: +SKIP
+        >>> shardprop.set_fallback_to_replicate(True)
     """
     propagate.set_fallback(enabled)
     clear_cache()

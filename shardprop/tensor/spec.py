@@ -50,8 +50,9 @@ class DTensorSpec(metaclass=_Interned):
     """How a global tensor is laid out over a mesh (interned: one object per distinct spec).
 
     Example:
-        >>> spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))  # doctest: +SKIP
-        >>> spec is DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))
+        >>> spec is DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))
         True
     """
 

@@ -33,7 +33,10 @@ class FSDPModule:
     """Mixed into the class of every ``fully_shard``-ed module (FSDP2's names and semantics).
 
     Example:
-        >>> model.set_requires_gradient_sync(False)  # accumulate without reducing  # doctest: +SKIP
+        >>> model = fully_shard(nn.Linear(8, 8), mesh=init_device_mesh("cpu", (4,)))
+        >>> isinstance(model, FSDPModule), type(model).__name__
+        (True, 'FSDPLinear')
+        >>> model.set_requires_gradient_sync(False)  # accumulate without reducing
     """
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
