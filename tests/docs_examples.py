@@ -147,12 +147,11 @@ def run_docstring(label, doc, mod_name):
     return runner.failures, runner.tries, out.getvalue()
 
 
-def run_all_docstrings(extra=()):
-    """Rank-pool job: every public docstring's examples (plus ``extra``: ``(label, doc, module)``), on this rank.
-
-    Returns ``{label: (failed, tried, report)}`` for the docstrings with an example that runs.
+def run_all_docstrings(extra=(), public=True):
+    """Rank-pool job: every public docstring's examples (unless not ``public``) and ``extra`` (``(label, doc,
+    module)``), on this rank. Returns ``{label: (failed, tried, report)}`` for those with an example that runs.
     """
-    items = [(f"{m}.{n}", docstring(m, n, o), m) for m, n, o in public_names()]
+    items = [(f"{m}.{n}", docstring(m, n, o), m) for m, n, o in public_names()] if public else []
     results = {}
     for label, doc, mod_name in list(items) + list(extra):
         if examples(doc)[1]:
