@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: demo test test-release bench sweep install test-gpu bench-gpu test-clients
+.PHONY: demo test test-release bench sweep install test-gpu bench-gpu test-clients docs
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -41,6 +41,19 @@ bench: $(STAMP)
 
 sweep: $(STAMP)
 	$(PY) bench/op_sweep.py --engine both --json sweep_results.json
+
+# The docs site (mkdocs.yml, docs/): the docs extra joins the venv on first use (its own stamp, so `make test`
+# never pays for it), then a strict build into site/: any warning (a broken link or anchor, a missing API
+# reference, a docstring mkdocstrings cannot read) fails. The docstring examples and docs/examples/ run in
+# `make test` (tests/test_docs.py).
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean
 
 # The CUDA tier (tests marked cuda: one GPU; gpu: two or more), skipped where torch sees no GPU;
 # CPU CI never runs it. Its venv (.venv-gpu) takes torch's default build from the registry, the

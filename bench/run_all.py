@@ -3,7 +3,7 @@
 Each benchmark runs as its own process (its ranks must not share a process group
 with another benchmark's) with ``--json`` pointing at a temporary file; the
 results are gathered under the benchmark's name, with the date, the machine and
-the torch version, so the README's figures can say where they came from.
+the torch version, so the figures of the docs (docs/benchmarks.md) can say where they came from.
 
 Usage::
 

@@ -20,8 +20,10 @@ class AsyncTensor(torch.Tensor):
     """A tensor whose data arrives when the pending collective finishes.
 
     Example:
-        >>> out = all_reduce(t, mesh, 0, async_op=True)  # doctest: +SKIP
-        >>> out + 1   # waits here, automatically  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> out = all_reduce(torch.ones(3), mesh, 0, async_op=True)
+        >>> out + 1   # waits here, automatically
+        tensor([5., 5., 5.])
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl

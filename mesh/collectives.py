@@ -154,7 +154,8 @@ def all_gather(t: torch.Tensor, mesh, dims: MeshDims, *, async_op: bool = False,
     copied out and dropped at once, whose memory would otherwise stay with the pool).
 
     Example:
-        >>> all_gather(torch.ones(2, 3), mesh, 0).shape  # 4 ranks  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> all_gather(torch.ones(2, 3), mesh, 0).shape  # 4 ranks
         torch.Size([8, 3])
     """
     group, ranks, n = resolve(mesh, dims)
@@ -187,7 +188,8 @@ def reduce_scatter(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, as
     ``t.shape[0]`` must divide by the group size.
 
     Example:
-        >>> reduce_scatter(torch.ones(8, 3), mesh, 0).shape  # 4 ranks  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> reduce_scatter(torch.ones(8, 3), mesh, 0).shape  # 4 ranks
         torch.Size([2, 3])
     """
     group, ranks, n = resolve(mesh, dims)
@@ -219,7 +221,9 @@ def all_reduce(t: torch.Tensor, mesh, dims: MeshDims, op: str = "sum", *, async_
     """All-reduce; into a fresh tensor unless ``inplace`` (when the caller owns ``t``).
 
     Example:
-        >>> all_reduce(torch.ones(3), mesh, 0)  # 4 ranks -> tensor([4., 4., 4.])  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> all_reduce(torch.ones(3), mesh, 0)  # 4 ranks
+        tensor([4., 4., 4.])
     """
     group, ranks, n = resolve(mesh, dims)
     t = wait_all(t)
@@ -285,7 +289,9 @@ def all_to_all(t: torch.Tensor, mesh, dims: MeshDims, output_split_sizes: Option
     others are staged and copied into place as they arrive. Split sizes are then unused.
 
     Example:
-        >>> all_to_all(torch.arange(4.), mesh, 0)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> all_to_all(torch.full((4,), float(dist.get_rank())), mesh, 0)  # element i from rank i
+        tensor([0., 1., 2., 3.])
         >>> out = torch.empty(8, 2)  # S(0) -> S(1) of an (8, 8) tensor on 4 ranks  # doctest: +SKIP
         >>> all_to_all(local, mesh, 0, out=out, views=(out.chunk(4), local.chunk(4, 1)))  # doctest: +SKIP
     """
@@ -343,7 +349,9 @@ def broadcast(t: torch.Tensor, mesh, dims: MeshDims, src: int = 0, *, async_op: 
     """Broadcast ``t`` from index ``src`` of the group (in place on ``t``).
 
     Example:
-        >>> broadcast(t, mesh, "tp", src=0)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        >>> broadcast(torch.full((2,), float(dist.get_rank())), mesh, "tp", src=0)  # every rank gets rank 0's
+        tensor([0., 0.])
     """
     group, ranks, _ = resolve(mesh, dims)
     t = wait_all(t)
@@ -364,7 +372,10 @@ def scatter(chunks: Optional[List[torch.Tensor]], out: torch.Tensor, mesh, dims:
     """Scatter equal-sized ``chunks`` (given on the source only) into ``out`` on every rank.
 
     Example:
-        >>> scatter(list(full.chunk(4)), torch.empty(2), mesh, 0)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> full = torch.arange(8.)
+        >>> scatter(list(full.chunk(4)) if dist.get_rank() == 0 else None, torch.empty(2), mesh, 0)  # rank 0's piece
+        tensor([0., 1.])
     """
     group, ranks, _ = resolve(mesh, dims)
     me = dist.get_rank()

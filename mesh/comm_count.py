@@ -31,10 +31,11 @@ class CommCounter:
     It is a payload size, not the wire traffic of a particular algorithm.
 
     Example:
-        >>> with comm_counter() as c:  # doctest: +SKIP
+        >>> x = distribute_tensor(torch.ones(8, 128), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> with comm_counter() as c:
         ...     y = x.redistribute(placements=[Replicate()])
-        >>> c.counts  # doctest: +SKIP
-        {'all_gather': (1, 4096)}
+        >>> c.counts
+        {'all_gather': (1, 1024)}
     """
 
     def __init__(self) -> None:
@@ -67,10 +68,12 @@ def comm_counter(counter: Optional[CommCounter] = None) -> Iterator[CommCounter]
     """Count the collectives shardprop issues inside the ``with`` block (into ``counter`` if given).
 
     Example:
-        >>> with comm_counter() as c:  # doctest: +SKIP
-        ...     loss = model(x).sum(); loss.backward()
-        >>> c.counts  # {kind: (count, bytes)}  # doctest: +SKIP
-        {'all_reduce': (3, 12288), 'all_gather': (2, 8192)}
+        >>> x = distribute_tensor(torch.ones(8, 128), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> with comm_counter() as c:
+        ...     total = x.sum().full_tensor()       # a Partial sum, all-reduced
+        ...     y = x.redistribute(placements=[Replicate()])
+        >>> c.counts  # {kind: (count, bytes)}
+        {'all_reduce': (1, 4), 'all_gather': (1, 1024)}
     """
     c = CommCounter() if counter is None else counter
     state.counters = state.counters + (c,)

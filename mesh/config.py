@@ -33,6 +33,13 @@ class Setting:
     """One setting: its name, environment variable (or None), type, default and what it does.
 
     ``kind`` is ``bool``, ``int``, ``float``, ``str`` or a tuple of the allowed strings.
+
+    Example:
+        >>> s = BY_NAME["fast_paths"]
+        >>> s.env, s.kind, s.default
+        ('SHARDPROP_FAST_PATHS', <class 'bool'>, True)
+        >>> s.from_env({"SHARDPROP_FAST_PATHS": "off"})
+        False
     """
 
     __slots__ = ("name", "env", "kind", "default", "doc")
@@ -124,11 +131,33 @@ SETTINGS: Tuple[Setting, ...] = (
             "on CPU, where the packed gradients would stay in the peak of every unit's backward)."),
 )
 
+"""Every setting, in the order of the settings table.
+
+Example:
+    >>> [s.name for s in SETTINGS][:3]
+    ['fast_paths', 'cache_size', 'cache_stats']
+"""
+
 BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
+"""The settings by name.
+
+Example:
+    >>> BY_NAME["cache_size"].env
+    'SHARDPROP_CACHE_SIZE'
+"""
 
 
 class Values:
-    """The current value of every setting, as attributes (one load each on a hot path)."""
+    """The current value of every setting, as attributes (one load each on a hot path).
+
+    Example:
+        >>> isinstance(values, Values)
+        True
+        >>> values.fast_paths = False
+        Traceback (most recent call last):
+        ...
+        AttributeError: shardprop settings change through config.set('fast_paths', ...) or config.patch(fast_paths=...), so that what depends on them follows
+    """
 
     __slots__ = tuple(BY_NAME)
 
@@ -141,6 +170,13 @@ class Values:
 
 
 values = Values()
+"""The current value of every setting (read ``values.NAME``; change it with :func:`set` or :func:`patch`).
+
+Example:
+    >>> with patch(cache_size=1024):
+    ...     values.cache_size
+    1024
+"""
 for _s in SETTINGS:
     object.__setattr__(values, _s.name, _s.from_env())
 del _s
@@ -208,19 +244,29 @@ def watch(name: str, fn: Callable[[Any], None]) -> None:
     """Call ``fn(new_value)`` after each change of setting ``name`` (by the module that owns derived state).
 
     Example:
-        >>> watch("cache_size", lambda n: None)  # doctest: +SKIP
+        >>> seen = []
+        >>> watch("cache_size", seen.append)
+        >>> with patch(cache_size=1024):
+        ...     pass
+        >>> seen[0]
+        1024
     """
     _setting(name)
     _watchers.setdefault(name, []).append(fn)
 
 
 def default(name: str):
-    """The value the environment gave ``name`` at import (its declared default where unset)."""
+    """The value the environment gave ``name`` at import (its declared default where unset).
+
+    Example:
+        >>> default("cache_stats") in (True, False)
+        True
+    """
     return _setting(name).from_env()
 
 
 def render_table() -> str:
-    """The README's settings table (markdown), rendered from :data:`SETTINGS`.
+    """The settings table of the docs (``docs/reference/settings.md``, markdown), rendered from :data:`SETTINGS`.
 
     Example:
         >>> render_table().splitlines()[0]

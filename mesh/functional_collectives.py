@@ -48,7 +48,9 @@ def wait_tensor(t: torch.Tensor) -> torch.Tensor:
     """Wait for a collective's result (the functions here already wait: a no-op on their results).
 
     Example:
-        >>> wait_tensor(all_reduce(x, "sum", mesh))  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> wait_tensor(all_reduce(torch.ones(2), "sum", mesh))
+        tensor([4., 4.])
     """
     return _F.wait_tensor(t)
 
@@ -57,7 +59,9 @@ def all_reduce(self: torch.Tensor, reduceOp: str, group, tag: str = "") -> torch
     """All-reduce ``self`` over ``group`` into a new tensor.
 
     Example:
-        >>> all_reduce(torch.ones(2), "max", group=mesh)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> all_reduce(torch.ones(2), "max", group=mesh)
+        tensor([1., 1.])
     """
     name, _ = _name_and_size(group)
     return _F.wait_tensor(_F.all_reduce(self.contiguous(), _op(reduceOp), name))
@@ -67,7 +71,8 @@ def all_gather_tensor(self: torch.Tensor, gather_dim: int, group, tag: str = "")
     """Every rank's ``self`` concatenated along ``gather_dim``.
 
     Example:
-        >>> all_gather_tensor(torch.ones(2, 3), 1, group=mesh).shape  # 4 ranks  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> all_gather_tensor(torch.ones(2, 3), 1, group=mesh).shape  # 4 ranks
         torch.Size([2, 12])
     """
     name, n = _name_and_size(group)
@@ -81,7 +86,9 @@ def reduce_scatter_tensor(self: torch.Tensor, reduceOp: str, scatter_dim: int, g
     """Reduce ``self`` over ``group`` and keep this rank's piece along ``scatter_dim``.
 
     Example:
-        >>> reduce_scatter_tensor(torch.ones(8), "sum", 0, group=mesh)  # 4 ranks -> tensor([4., 4.])  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> reduce_scatter_tensor(torch.ones(8), "sum", 0, group=mesh)  # 4 ranks
+        tensor([4., 4.])
     """
     name, n = _name_and_size(group)
     if scatter_dim % max(self.dim(), 1) != 0:
@@ -102,7 +109,9 @@ def all_to_all_single(self: torch.Tensor, output_split_sizes: Optional[List[int]
     """Dim-0 slices of ``self`` to every rank (``input_split_sizes``), theirs back (``output_split_sizes``).
 
     Example:
-        >>> all_to_all_single(torch.arange(4.0), None, None, group=mesh)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> all_to_all_single(torch.full((4,), float(dist.get_rank())), None, None, group=mesh)
+        tensor([0., 1., 2., 3.])
     """
     name, n = _name_and_size(group)
     out = _F.all_to_all_single(self.contiguous(), _splits(self, output_split_sizes, n),
@@ -115,7 +124,13 @@ def all_to_all_single_autograd(self: torch.Tensor, output_split_sizes, input_spl
     """:func:`all_to_all_single` with a backward (the reverse exchange).
 
     Example:
-        >>> all_to_all_single_autograd(x, out_splits, in_splits, group=mesh)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x = torch.full((4,), float(dist.get_rank()), requires_grad=True)
+        >>> y = all_to_all_single_autograd(x, [1, 1, 1, 1], [1, 1, 1, 1], group=mesh)
+        >>> y.detach()
+        tensor([0., 1., 2., 3.])
+        >>> y.sum().backward(); x.grad
+        tensor([1., 1., 1., 1.])
     """
     if _F_AUTOGRAD is None:
         raise NotImplementedError("all_to_all_single_autograd: this torch has no _c10d_functional_autograd ops")
@@ -129,7 +144,9 @@ def broadcast(self: torch.Tensor, src: int, group, tag: str = "") -> torch.Tenso
     """``self`` of global rank ``src`` on every rank of ``group``.
 
     Example:
-        >>> broadcast(torch.ones(2), 0, group=mesh)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> broadcast(torch.full((2,), float(dist.get_rank())), 0, group=mesh)
+        tensor([0., 0.])
     """
     name, _ = _name_and_size(group)
     return _F.wait_tensor(_F.broadcast(self.contiguous(), src, name))

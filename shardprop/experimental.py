@@ -29,6 +29,18 @@ def register_sharding(op):
         >>> @register_sharding(torch.ops.mylib.tag.default)  # tag(str name, Tensor x)  # doctest: +SKIP
         ... def tag_rule(name, x):
         ...     return [([Replicate()], [None, Replicate()]), ([Shard(0)], [None, Shard(0)])]
+
+        Overriding a built-in rule, then removing the override:
+
+        >>> @register_sharding(torch.ops.aten.tanh.default)
+        ... def gathering_tanh(x):                  # (outputs, inputs): always run replicated
+        ...     return [([Replicate()], [Replicate()])]
+        >>> x = distribute_tensor(torch.randn(8), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> torch.tanh(x).placements
+        (R,)
+        >>> shardprop.unregister_sharding(torch.ops.aten.tanh.default)
+        >>> torch.tanh(x).placements                # the built-in rule again
+        (S(0),)
     """
     def deco(fn):
         def swapped(*args, **kwargs):

@@ -27,6 +27,8 @@ from typing import List, Optional
 
 from shardprop.interop import describe, install
 
+__all__ = ["main"]
+
 _USAGE = "usage: python -m shardprop.launch [--list] (SCRIPT | -m MODULE) [ARGS...]"
 
 

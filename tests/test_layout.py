@@ -1,7 +1,7 @@
 """The package layout: rooms import only downward, no import cycles, no oversized modules.
 
 Imports are read from the source (``ast``), counting those inside functions, so a lazy
-import cannot hide a cycle. Rooms and what each may import are the table in DESIGN.md.
+import cannot hide a cycle. Rooms and what each may import are the table in docs/design/layout.md.
 """
 import ast
 import pathlib

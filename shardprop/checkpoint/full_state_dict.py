@@ -37,8 +37,13 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
     result with ``load_state_dict`` (Hugging Face ``save_pretrained`` style).
 
     Example:
-        >>> sd = full_state_dict(tp_model)                          # doctest: +SKIP
-        >>> if dist.get_rank() == 0: plain_model.load_state_dict(sd)  # doctest: +SKIP
+        >>> _ = torch.manual_seed(0); plain_model = nn.Linear(8, 8)
+        >>> tp_model = parallelize_module(nn.Linear(8, 8), init_device_mesh("cpu", (4,)), ColwiseParallel())
+        >>> sd = full_state_dict(tp_model)                          # plain full tensors, on rank 0
+        >>> if dist.get_rank() == 0: plain_model.load_state_dict(sd)
+        <All keys matched successfully>
+        >>> sorted(sd), sd["weight"].shape if sd else None    # rank 0; the others get an empty dict
+        (['bias', 'weight'], torch.Size([8, 8]))
     """
     me = dist.get_rank()
     out: Dict[str, Any] = {}
@@ -120,8 +125,13 @@ def enable_full_state_dict_loading(module: nn.Module, *, src_data_rank: Optional
     ``parallelize_module`` and ``distribute_module`` install it.
 
     Example:
-        >>> enable_full_state_dict_loading(tp_model)          # doctest: +SKIP
-        >>> tp_model.load_state_dict(plain_model.state_dict())  # doctest: +SKIP
+        >>> _ = torch.manual_seed(0); plain_model = nn.Linear(8, 8)
+        >>> tp_model = parallelize_module(nn.Linear(8, 8), init_device_mesh("cpu", (4,)), ColwiseParallel())
+        >>> tp_model = enable_full_state_dict_loading(tp_model)
+        >>> tp_model.load_state_dict(plain_model.state_dict())
+        <All keys matched successfully>
+        >>> torch.equal(tp_model.weight.full_tensor(), plain_model.weight.detach())
+        True
     """
     first = not hasattr(module, _SRC_ATTR)
     setattr(module, _SRC_ATTR, src_data_rank)
@@ -139,7 +149,12 @@ def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]],
     spent on data that is never read). Returns what ``load_state_dict`` returns.
 
     Example:
-        >>> load_full_state_dict(tp_model, plain_sd if dist.get_rank() == 0 else None)  # doctest: +SKIP
+        >>> _ = torch.manual_seed(0); plain_sd = nn.Linear(8, 8).state_dict()
+        >>> tp_model = parallelize_module(nn.Linear(8, 8), init_device_mesh("cpu", (4,)), ColwiseParallel())
+        >>> load_full_state_dict(tp_model, plain_sd if dist.get_rank() == 0 else None)
+        <All keys matched successfully>
+        >>> torch.equal(tp_model.weight.full_tensor(), plain_sd["weight"])
+        True
     """
     enable_full_state_dict_loading(model, src_data_rank=src_data_rank)
     if state_dict is None:

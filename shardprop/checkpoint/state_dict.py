@@ -41,6 +41,15 @@ def get_optimizer_state_dict(model: nn.Module, optimizers) -> Dict[str, Any]:
     """The optimizer's state dict keyed by parameter names (the state is created if empty).
 
     Example:
+        >>> model = parallelize_module(nn.Linear(8, 8), init_device_mesh("cpu", (4,)), ColwiseParallel())
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> model(torch.ones(2, 8)).sum().backward(); opt.step()
+        >>> osd = get_optimizer_state_dict(model, opt)
+        >>> sorted(osd["state"]), osd["state"]["weight"]["exp_avg"].placements   # keyed by name, sharded
+        (['bias', 'weight'], (S(0),))
+
+        With DCP (every rank writes its shards; loading reshards):
+
         >>> sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}  # doctest: +SKIP
         >>> dcp.load(sd, checkpoint_id="ckpt")                                                  # doctest: +SKIP
         >>> set_optimizer_state_dict(model, opt, sd["optim"])                                   # doctest: +SKIP
@@ -66,7 +75,14 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: Dic
     """Load a state dict made by :func:`get_optimizer_state_dict` (or torch's) into the optimizer(s).
 
     Example:
-        >>> set_optimizer_state_dict(model, opt, sd["optim"])  # doctest: +SKIP
+        >>> model = parallelize_module(nn.Linear(8, 8), init_device_mesh("cpu", (4,)), ColwiseParallel())
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> model(torch.ones(2, 8)).sum().backward(); opt.step()
+        >>> saved = get_optimizer_state_dict(model, opt)
+        >>> fresh = torch.optim.AdamW(model.parameters())
+        >>> set_optimizer_state_dict(model, fresh, saved)
+        >>> torch.equal(fresh.state[model.weight]["exp_avg"].to_local(), opt.state[model.weight]["exp_avg"].to_local())
+        True
     """
     optims = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
     names = _names(model)

@@ -94,8 +94,9 @@ class RuleReport:
     (ShardingError, and running as is would not be right); ``redistributed`` counts the rest.
 
     Example:
-        >>> report = shardprop.check_sharding_rule(aten.mm.default, a, b)  # doctest: +SKIP
-        >>> report.ok, len(report.missing)  # doctest: +SKIP
+        >>> a, b = torch.randn(8, 6), torch.randn(6, 4)
+        >>> report = shardprop.check_sharding_rule(torch.ops.aten.mm.default, a, b, mesh=init_device_mesh("cpu", (4,)))
+        >>> report.ok, len(report.missing)
         (True, 0)
         >>> print(report)  # doctest: +SKIP
     """
@@ -340,10 +341,10 @@ def check_sharding_rule(op, *sample_args, mesh=None, atol: float = 1e-5, rtol: f
     written are what is checked.
 
     Example:
-        >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
-        >>> a, b = torch.randn(8, 6), torch.randn(6, 4)  # rank 0's are used on every rank  # doctest: +SKIP
-        >>> r = check_sharding_rule(torch.ops.aten.mm.default, a, b, mesh=mesh)  # doctest: +SKIP
-        >>> r.ok, r.find("accepted", (Shard(0), Replicate()), Shard(0)) is not None  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> a, b = torch.randn(8, 6), torch.randn(6, 4)  # rank 0's are used on every rank
+        >>> r = check_sharding_rule(torch.ops.aten.mm.default, a, b, mesh=mesh)
+        >>> r.ok, r.find("accepted", (Shard(0), Replicate()), Shard(0)) is not None
         (True, True)
         >>> print(r)  # a table of every finding and a summary line  # doctest: +SKIP
     """

@@ -119,9 +119,17 @@ def explain():
     """Record every op call in the block, with strategies, costs and redistributions.
 
     Example:
-        >>> with shardprop.explain() as ex:  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+        >>> w = distribute_tensor(torch.randn(16, 4), mesh, [Replicate()])
+        >>> with shardprop.explain() as ex:
         ...     y = x @ w
-        >>> print(ex)  # doctest: +SKIP
+        >>> [r.op for r in ex.records]
+        ['aten.mm.default']
+        >>> print(ex)
+        op...inputs...chosen (needs -> gives)...redistributions...candidates (cost)
+        ...
+        aten.mm.default...[S(0)] [R]...[S(0)] [R] -> [S(0)]...
     """
     ex = Explanation()
     prev = _hooks.set_recorder(ex)
@@ -132,7 +140,19 @@ def explain():
 
 
 class ImplicitRedistributionError(RuntimeError):
-    """An op needed a redistribution inside ``explicit("raise")``."""
+    """An op needed a redistribution inside ``explicit("raise")``.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+        >>> y = distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)])
+        >>> with explicit("raise"):
+        ...     try:
+        ...         x + y
+        ...     except ImplicitRedistributionError as e:
+        ...         print(str(e)[:55])
+        aten.add.Tensor needs an implicit redistribution: input
+    """
 
 
 @contextlib.contextmanager
@@ -140,8 +160,15 @@ def explicit(mode: str = "raise"):
     """Make implicit redistributions (ones not asked for with ``.redistribute``) an error or a warning.
 
     Example:
-        >>> with shardprop.explicit("raise"):  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x_s0 = distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)])
+        >>> x_s1 = distribute_tensor(torch.ones(8, 8), mesh, [Shard(1)])
+        >>> with shardprop.explicit("raise"):
+        ...     y = x_s0 + x_s1.redistribute(placements=[Shard(0)])   # asked for: fine
         ...     y = x_s0 + x_s1   # raises: aten.add.Tensor needs in1 [S(1)]->[S(0)]
+        Traceback (most recent call last):
+        ...
+        shardprop.debug.explain.ImplicitRedistributionError: aten.add.Tensor needs an implicit redistribution: ...
     """
     if mode not in ("raise", "warn"):
         raise ValueError(f"explicit: mode must be 'raise' or 'warn', got {mode!r}")

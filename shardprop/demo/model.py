@@ -231,6 +231,7 @@ def shardprop_styles() -> SimpleNamespace:
 def cp_buffers(model: "Llama", *tensors: torch.Tensor) -> Tuple[List[torch.Tensor], List[int]]:
     """What context parallelism shards on the sequence dim: ``tensors`` ``[batch, seq]`` (dim 1) and every RoPE table (dim 0).
 
+    Example:
         >>> buffers, dims = cp_buffers(model, tokens, targets)  # doctest: +SKIP
         >>> with shardprop.context_parallel(mesh, buffers=buffers, buffer_seq_dims=dims): ...  # doctest: +SKIP
     """

@@ -14,7 +14,7 @@ def clear_cache() -> None:
     """Empty the propagation cache (and its statistics).
 
     Example:
-        >>> shardprop.clear_cache()  # doctest: +SKIP
+        >>> shardprop.clear_cache()
     """
     propagate.cache_clear()
     reset_counts()
@@ -30,7 +30,7 @@ def set_cache_size(n: int) -> None:
     """Resize the propagation cache (clears it).
 
     Example:
-        >>> shardprop.set_cache_size(1 << 20)  # doctest: +SKIP
+        >>> shardprop.set_cache_size(1 << 20)
     """
     _config.set("cache_size", n)  # the cache's watcher resizes (and empties) it, _resized zeroes the counters
 
@@ -43,7 +43,7 @@ def set_fallback_to_replicate(enabled: bool) -> None:
     """Run ops that have no rule on replicated inputs (with a warning) instead of raising.
 
     Example:
-        >>> shardprop.set_fallback_to_replicate(True)  # doctest: +SKIP
+        >>> shardprop.set_fallback_to_replicate(True)
     """
     propagate.set_fallback(enabled)
     clear_cache()

@@ -179,8 +179,10 @@ def set_decompose_fallback(enabled: bool) -> None:
     ``DEFAULT_OPS`` always decompose.
 
     Example:
-        >>> shardprop.set_decompose_fallback(True)  # doctest: +SKIP
-        >>> torch.nn.functional.glu(x)               # no rule for glu: runs its decomposition
+        >>> shardprop.set_decompose_fallback(True)   # from here on, ops without a rule decompose
+        >>> shardprop.config.values.decompose
+        True
+        >>> shardprop.set_decompose_fallback(False)
     """
     _config.set("decompose", enabled)  # its watcher, _sync, installs or removes the handlers
 

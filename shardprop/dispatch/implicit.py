@@ -21,9 +21,11 @@ def implicit_replication() -> Iterator[None]:
     torch). Nests; thread-global, like torch's.
 
     Example:
-        >>> x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])  # doctest: +SKIP
-        >>> with implicit_replication():  # doctest: +SKIP
+        >>> x = distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> with implicit_replication():
         ...     y = x + torch.arange(4.0)  # the plain tensor joins as Replicate
+        >>> y.placements
+        (S(0),)
     """
     _hooks.set_implicit_replication(_hooks.hooks.implicit_replication + 1)
     try:

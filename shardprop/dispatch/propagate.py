@@ -44,7 +44,17 @@ no_rule_hints: List[Callable[[object], str]] = []
 
 
 class ShardingError(RuntimeError):
-    """An op cannot run with the given placements (no rule, or no acceptable option)."""
+    """An op cannot run with the given placements (no rule, or no acceptable option).
+
+    Example:
+        >>> x = distribute_tensor(torch.ones(8), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> y = distribute_tensor(torch.ones(8), init_device_mesh("cpu", (2, 2)), [Shard(0), Replicate()])
+        >>> try:
+        ...     x + y                       # two meshes: no option can run it
+        ... except ShardingError as e:
+        ...     print(type(e).__name__)
+        MeshMismatchError
+    """
 
 
 class MeshMismatchError(ShardingError):

@@ -79,8 +79,11 @@ def manual_seed(seed: int, mesh) -> None:
     silently make replicas diverge).
 
     Example:
-        >>> mesh = init_device_mesh("cpu", (2, 2))  # doctest: +SKIP
-        >>> shardprop.manual_seed(1234, mesh)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (2, 2))
+        >>> shardprop.manual_seed(1234, mesh)
+        >>> x = shardprop.rand(8, device_mesh=mesh, placements=[Shard(0), Replicate()])
+        >>> _ = torch.manual_seed(1234); torch.equal(x.full_tensor(), torch.rand(8))  # one device's draw
+        True
     """
     seed = int(seed)
     if not 0 <= seed < 2 ** 64:

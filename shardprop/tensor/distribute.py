@@ -26,10 +26,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *
     ``src_data_rank=None`` every rank cuts its shard from its own tensor.
 
     Example:
-        >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
-        >>> x = distribute_tensor(torch.arange(8.), mesh, [Shard(0)])  # doctest: +SKIP
-        >>> x.to_local()  # on rank 1  # doctest: +SKIP
-        tensor([2., 3.])
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x = distribute_tensor(torch.arange(8.), mesh, [Shard(0)])
+        >>> x.to_local()  # on rank 0; rank 1 holds tensor([2., 3.])
+        tensor([0., 1.])
     """
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor: the input already is a DTensor; use .redistribute()")

@@ -70,8 +70,9 @@ class DTensor(torch.Tensor):
     """A tensor distributed over a DeviceMesh.
 
     Example:
-        >>> x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])  # doctest: +SKIP
-        >>> x.placements, x.to_local().shape  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        >>> x.placements, x.to_local().shape
         ((S(0),), torch.Size([2, 4]))
     """
 

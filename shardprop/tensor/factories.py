@@ -102,8 +102,9 @@ def zeros(*size, requires_grad: bool = False, dtype: Optional[torch.dtype] = Non
     """A DTensor of zeros of shape ``size`` (each rank makes only its shard).
 
     Example:
-        >>> z = shardprop.zeros(8, 4, device_mesh=mesh, placements=[Shard(0)])  # doctest: +SKIP
-        >>> z.to_local().shape  # 4 ranks  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> z = shardprop.zeros(8, 4, device_mesh=mesh, placements=[Shard(0)])
+        >>> z.to_local().shape  # 4 ranks
         torch.Size([2, 4])
     """
     return _filled("zeros", size, 0, dtype, layout, requires_grad, device_mesh, placements)
@@ -114,8 +115,9 @@ def ones(*size, dtype: Optional[torch.dtype] = None, layout: torch.layout = torc
     """A DTensor of ones of shape ``size`` (each rank makes only its shard).
 
     Example:
-        >>> shardprop.ones(5, device_mesh=mesh, placements=[Shard(0)]).to_local()  # rank 2 of 4  # doctest: +SKIP
-        tensor([1.])
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> shardprop.ones(5, device_mesh=mesh, placements=[Shard(0)]).to_local()  # rank 0 of 4 (rank 2: one, rank 3: none)
+        tensor([1., 1.])
     """
     return _filled("ones", size, 1, dtype, layout, requires_grad, device_mesh, placements)
 
@@ -125,7 +127,8 @@ def empty(*size, dtype: Optional[torch.dtype] = None, layout: torch.layout = tor
     """An uninitialised DTensor of shape ``size`` (each rank allocates only its shard).
 
     Example:
-        >>> shardprop.empty(8, 4, device_mesh=mesh, placements=[Shard(1)]).to_local().shape  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> shardprop.empty(8, 4, device_mesh=mesh, placements=[Shard(1)]).to_local().shape
         torch.Size([8, 1])
     """
     return _filled("empty", size, None, dtype, layout, requires_grad, device_mesh, placements)
@@ -136,7 +139,8 @@ def full(size, fill_value, *, dtype: Optional[torch.dtype] = None, layout: torch
     """A DTensor of shape ``size`` filled with ``fill_value`` (dtype inferred as ``torch.full`` does).
 
     Example:
-        >>> shardprop.full((4, 4), 7, device_mesh=mesh).dtype  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> shardprop.full((4, 4), 7, device_mesh=mesh).dtype
         torch.int64
     """
     return _filled("full", (size,), fill_value, dtype, layout, requires_grad, device_mesh, placements)
@@ -162,8 +166,9 @@ def rand(*size, requires_grad: bool = False, dtype: Optional[torch.dtype] = None
     Seed every rank alike first (``torch.manual_seed`` or ``shardprop.manual_seed``). Works on CPU meshes.
 
     Example:
-        >>> torch.manual_seed(0); x = shardprop.rand(8, 4, device_mesh=mesh, placements=[Shard(0)])  # doctest: +SKIP
-        >>> torch.manual_seed(0); torch.equal(x.full_tensor(), torch.rand(8, 4))  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> _ = torch.manual_seed(0); x = shardprop.rand(8, 4, device_mesh=mesh, placements=[Shard(0)])
+        >>> _ = torch.manual_seed(0); torch.equal(x.full_tensor(), torch.rand(8, 4))
         True
     """
     return _random("rand", "uniform", size, requires_grad, dtype, layout, device_mesh, placements)
@@ -174,8 +179,9 @@ def randn(*size, requires_grad: bool = False, dtype: Optional[torch.dtype] = Non
     """A DTensor of standard normal values: each shard is the matching piece of one device's ``torch.randn``.
 
     Example:
-        >>> torch.manual_seed(0); x = shardprop.randn(8, 4, device_mesh=mesh, placements=[Shard(1)])  # doctest: +SKIP
-        >>> torch.manual_seed(0); torch.equal(x.full_tensor(), torch.randn(8, 4))  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> _ = torch.manual_seed(0); x = shardprop.randn(8, 4, device_mesh=mesh, placements=[Shard(1)])
+        >>> _ = torch.manual_seed(0); torch.equal(x.full_tensor(), torch.randn(8, 4))
         True
     """
     return _random("randn", "normal", size, requires_grad, dtype, layout, device_mesh, placements)
@@ -219,7 +225,8 @@ def linspace(start, end, steps, *, dtype: Optional[torch.dtype] = None, layout: 
     """A 1-d DTensor of ``steps`` evenly spaced values from ``start`` to ``end`` (each rank computes its shard).
 
     Example:
-        >>> shardprop.linspace(0, 1, 5, device_mesh=mesh, placements=[Shard(0)]).full_tensor()  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> shardprop.linspace(0, 1, 5, device_mesh=mesh, placements=[Shard(0)]).full_tensor()
         tensor([0.0000, 0.2500, 0.5000, 0.7500, 1.0000])
     """
     return _spaced("linspace", start, end, steps, None, dtype, layout, requires_grad, device_mesh, placements)
@@ -230,7 +237,8 @@ def logspace(start, end, steps, base=10.0, *, dtype: Optional[torch.dtype] = Non
     """A 1-d DTensor of ``steps`` values from ``base ** start`` to ``base ** end`` on a log scale.
 
     Example:
-        >>> shardprop.logspace(0, 3, 4, device_mesh=mesh, placements=[Shard(0)]).full_tensor()  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> shardprop.logspace(0, 3, 4, device_mesh=mesh, placements=[Shard(0)]).full_tensor()
         tensor([   1.,   10.,  100., 1000.])
     """
     return _spaced("logspace", start, end, steps, base, dtype, layout, requires_grad, device_mesh, placements)

@@ -15,7 +15,14 @@ _ALIASES = {"prod": "product"}
 
 
 class Placement(compat.OpaqueValueBase):  # the base lets compiled code hold a placement as a value
-    """Base of Shard, _StridedShard, Replicate and Partial."""
+    """Base of Shard, _StridedShard, Replicate and Partial.
+
+    Example:
+        >>> [p.is_shard() for p in (Shard(0), Replicate(), Partial())]
+        [True, False, False]
+        >>> Shard(1).is_shard(dim=1), Replicate().is_replicate(), Partial().is_partial()
+        (True, True, True)
+    """
 
     __slots__ = ()
 

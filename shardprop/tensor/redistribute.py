@@ -1,6 +1,6 @@
 """Redistribution: plan the collectives between two placement lists, then run them.
 
-Planning is per mesh dim (table in DESIGN.md) and cached per (source spec,
+Planning is per mesh dim (table in docs/design/op-path.md) and cached per (source spec,
 target placements). Two phases keep nested shards right (several mesh dims
 sharding one tensor dim, outermost first):
 
@@ -189,7 +189,8 @@ def plan_redistribute(src: DTensorSpec, dst_placements: Tuple[Placement, ...]) -
     """The cached plan that turns ``src`` into ``dst_placements`` on the same mesh.
 
     Example:
-        >>> plan_redistribute(spec_s0, (Replicate(),)).steps  # doctest: +SKIP
+        >>> x = distribute_tensor(torch.ones(8), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> plan_redistribute(x._spec, (Replicate(),)).steps
         (all_gather@[0]: [S(0)]->[R] (...),)
     """
     if has_strided(src.placements) or has_strided(dst_placements):  # a miss only: the plan is cached

@@ -17,7 +17,13 @@ from shardprop.tensor.placement import Partial, Placement, Replicate, Shard, wit
 
 
 class TensorMeta(NamedTuple):
-    """Global shape, stride and dtype of a distributed tensor."""
+    """Global shape, stride and dtype of a distributed tensor.
+
+    Example:
+        >>> x = distribute_tensor(torch.ones(8, 4), init_device_mesh("cpu", (4,)), [Shard(0)])
+        >>> x._spec.tensor_meta
+        TensorMeta(shape=torch.Size([8, 4]), stride=(4, 1), dtype=torch.float32)
+    """
 
     shape: torch.Size
     stride: Tuple[int, ...]
@@ -44,8 +50,9 @@ class DTensorSpec(metaclass=_Interned):
     """How a global tensor is laid out over a mesh (interned: one object per distinct spec).
 
     Example:
-        >>> spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))  # doctest: +SKIP
-        >>> spec is DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))
+        >>> spec is DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8]), (1,), torch.float32))
         True
     """
 

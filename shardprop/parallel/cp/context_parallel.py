@@ -105,7 +105,13 @@ def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Se
     differentiable (as torch's): for inspecting outputs.
 
     Example:
-        >>> full, = context_parallel_unshard(mesh["cp"], [out], [2])  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+        >>> x = torch.arange(16.).view(1, 16)
+        >>> with context_parallel(mesh["cp"], buffers=[x], buffer_seq_dims=[1]):
+        ...     out = x * 10                        # this rank's head and tail chunks
+        >>> full, = context_parallel_unshard(mesh["cp"], [out], [1])
+        >>> torch.equal(full, torch.arange(16.).view(1, 16) * 10)
+        True
     """
     _check_mesh(mesh)
     n = mesh.size()
@@ -252,6 +258,21 @@ def context_parallel(mesh, *, buffers: Optional[List[torch.Tensor]] = None,
     inside must be this layout: computed from the sharded buffers, as a model does.
 
     Example:
+        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+        >>> _ = torch.manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 2, 32, 8) for _ in range(3))   # [batch, heads, sequence, head dim]
+        >>> expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> with context_parallel(mesh["cp"], buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        ...     print(q.shape)                                           # this rank's 8 of 32 positions
+        ...     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # ring attention
+        torch.Size([1, 2, 8, 8])
+        >>> q.shape                                                      # restored on exit
+        torch.Size([1, 2, 32, 8])
+        >>> torch.allclose(context_parallel_unshard(mesh["cp"], [out], [2])[0], expected, atol=1e-5)
+        True
+
+        A model's training step (tokens and labels stay cut: ``no_restore_buffers``):
+
         >>> with context_parallel(mesh["cp"], buffers=[tokens, labels, model.rope_cos],
         ...                       buffer_seq_dims=[1, 1, 0], no_restore_buffers={tokens, labels}):  # doctest: +SKIP
         ...     lm_loss(model(tokens), labels).backward()

@@ -111,9 +111,11 @@ class GradientReducer:
         names: the same, as parameter names (when built from a module).
 
     Example:
-        >>> dp = replicate_gradients(model, mesh, dim="dp")  # doctest: +SKIP
-        >>> loss = model(dp.split_batch(x)).mean()  # doctest: +SKIP
-        >>> loss.backward(); dp.finish(); opt.step(); opt.zero_grad()  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        >>> model = nn.Linear(4, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> dp = replicate_gradients(model, mesh, dim="dp")
+        >>> loss = model(dp.split_batch(torch.ones(8, 4))).mean()   # this rank's 2 rows of the batch
+        >>> loss.backward(); dp.finish(); opt.step(); opt.zero_grad()
     """
 
     def __init__(self, params: Sequence[torch.Tensor], mesh, dim: Union[int, str], *,
@@ -294,10 +296,14 @@ def replicate_gradients(module_or_params, mesh, dim: Union[int, str, None] = Non
     must call it (and ``finish()`` each step) in the same order.
 
     Example (2x2 dp x tp; the batch is split over dp, the weights over tp):
-        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # doctest: +SKIP
-        >>> model = parallelize_module(model, mesh["tp"], plan)  # doctest: +SKIP
-        >>> dp = replicate_gradients(model, mesh, "dp")  # doctest: +SKIP
-        >>> for x, y in batches:  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        >>> model = parallelize_module(model, mesh["tp"], plan)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> dp = replicate_gradients(model, mesh, "dp")
+        >>> batches = [(torch.randn(4, 8), torch.arange(4))]
+        >>> for x, y in batches:
         ...     loss = F.cross_entropy(model(dp.split_batch(x)), dp.split_batch(y))
         ...     loss.backward()
         ...     dp.finish()              # gradients now averaged over dp

@@ -27,6 +27,11 @@ class ExpertLoad:
 
     ``imbalance``: the busiest expert's tokens over the mean per expert (1.0: perfectly even);
     ``rank_imbalance``: the same over ep ranks (what bounds the step time).
+
+    Example:
+        >>> load = ExpertLoad(tokens_per_expert=[6, 2, 0, 0], tokens_per_rank=[8, 0])
+        >>> load.imbalance, load.rank_imbalance
+        (3.0, 2.0)
     """
 
     tokens_per_expert: List[int]
@@ -67,8 +72,16 @@ def expert_load(module: nn.Module) -> ExpertLoad:
     One all-gather of each rank's per-expert counts over the ep mesh (counted by ``comm_counter``).
 
     Example:
-        >>> print(expert_load(moe.experts))  # doctest: +SKIP
-        tokens per expert [5, 3, 0, 8, 2, 6, 4, 4] (max/mean 2.00), per ep rank [8, 8, 8, 8] (max/mean 1.00)
+        >>> from shardprop.demo.moe import MoE
+        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        >>> _ = torch.manual_seed(0); moe = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
+        >>> _ = parallelize_module(moe.experts, mesh, ExpertParallel())
+        >>> _ = moe(torch.randn(2, 5, 16))             # 10 tokens per rank, 2 experts each
+        >>> load = expert_load(moe.experts)            # every ep rank calls it, after a forward
+        >>> sum(load.tokens_per_expert), len(load.tokens_per_rank)
+        (80, 4)
+        >>> print(load)
+        tokens per expert [...] (max/mean ...), per ep rank [...] (max/mean ...)
     """
     route = _last_route(module)
     mine = torch.tensor(route.tokens_per_local_expert, dtype=torch.int64)

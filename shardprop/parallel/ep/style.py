@@ -137,9 +137,15 @@ class ExpertParallel(ParallelStyle):
     outside the experts (router, shared experts) are the caller's: replicate or data-parallel them.
 
     Example:
-        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))  # doctest: +SKIP
-        >>> parallelize_module(moe.experts, mesh["ep"], ExpertParallel())  # doctest: +SKIP
-        >>> out = moe(x_of_this_rank)  # the experts run on this rank's 8 / 4 experts  # doctest: +SKIP
+        >>> from shardprop.demo.moe import MoE
+        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        >>> _ = torch.manual_seed(0); moe = MoE(dim=16, hidden=24, num_experts=8, top_k=2)
+        >>> _ = parallelize_module(moe.experts, mesh["ep"], ExpertParallel())
+        >>> moe.experts.w1.placements, moe.experts.w1.to_local().shape   # this rank's 8 / 4 experts
+        ((S(0),), torch.Size([2, 16, 24]))
+        >>> out = moe(torch.randn(2, 5, 16))  # this rank's tokens, routed to every rank's experts and back
+        >>> out.shape
+        torch.Size([2, 5, 16])
     """
 
     def sharded_dims(self, module: nn.Module):
@@ -166,8 +172,14 @@ class ExpertTensorParallel(ExpertParallel):
     moves, and one all-reduce over tp of the tokens' gradient.
 
     Example:
-        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))  # doctest: +SKIP
-        >>> parallelize_module(moe.experts, mesh, ExpertTensorParallel())  # doctest: +SKIP
+        >>> from shardprop.demo.moe import MoE
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        >>> _ = torch.manual_seed(0); moe = MoE(dim=16, hidden=24, num_experts=8)
+        >>> _ = parallelize_module(moe.experts, mesh, ExpertTensorParallel())
+        >>> moe.experts.w1.placements, moe.experts.w1.to_local().shape   # experts over ep, hidden over tp
+        ((S(0), S(2)), torch.Size([4, 16, 12]))
+        >>> moe(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 16])
     """
 
     takes_nd_mesh = True

@@ -392,11 +392,21 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     :func:`shardprop.parallel.fsdp.mesh_info.plan_dp_mesh_dims` for what is supported).
 
     Example:
-        >>> for block in model.layers:  # doctest: +SKIP
-        ...     fully_shard(block, mesh=mesh["dp"])
+        >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8))
+        >>> for block in (model[0], model[2]):
+        ...     _ = fully_shard(block, mesh=mesh["dp"])
+        >>> _ = fully_shard(model, mesh=mesh["dp"])          # the root owns what is left (the norm)
+        >>> model[0].weight.placements, model[0].weight.to_local().shape
+        ((S(0),), torch.Size([4, 8]))
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> loss = model(torch.randn(2, 8)).mean(); loss.backward(); opt.step()
+        >>> model[0].weight.grad.placements                 # the dp-averaged gradient's shard
+        (S(0),)
+
+        torchtitan's grouping of several modules into one unit:
+
         >>> fully_shard([model.norm, model.output], mesh=mesh["dp"])  # doctest: +SKIP
-        >>> fully_shard(model, mesh=mesh["dp"])  # doctest: +SKIP
-        >>> loss = model(x_local).mean(); loss.backward(); opt.step()  # doctest: +SKIP
     """
     roots = _root_modules(module)
     _check_arguments(roots, mp_policy, offload_policy)

@@ -33,7 +33,10 @@ class FSDPModule:
     """Mixed into the class of every ``fully_shard``-ed module (FSDP2's names and semantics).
 
     Example:
-        >>> model.set_requires_gradient_sync(False)  # accumulate without reducing  # doctest: +SKIP
+        >>> model = fully_shard(nn.Linear(8, 8), mesh=init_device_mesh("cpu", (4,)))
+        >>> isinstance(model, FSDPModule), type(model).__name__
+        (True, 'FSDPLinear')
+        >>> model.set_requires_gradient_sync(False)  # accumulate without reducing
     """
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -239,7 +242,9 @@ def share_comm_ctx(modules: List[FSDPModule]) -> None:
     gives torch's. This checks the modules and changes nothing else.
 
     Example:
-        >>> share_comm_ctx([stage0, stage1])  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> stage0, stage1 = fully_shard(nn.Linear(4, 4), mesh=mesh), fully_shard(nn.Linear(4, 4), mesh=mesh)
+        >>> share_comm_ctx([stage0, stage1])
     """
     _units_of(modules, "share_comm_ctx")
 
@@ -248,8 +253,18 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` gather and reshard like ``forward`` (a no-op on a plain module).
 
     Example:
-        >>> register_fsdp_forward_method(model, "generate")  # doctest: +SKIP
-        >>> model.generate(prompt)  # parameters gathered around it  # doctest: +SKIP
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = nn.Linear(8, 8)
+        ...     def forward(self, x):
+        ...         return self.lin(x)
+        ...     def generate(self, x):
+        ...         return self.lin(x).argmax(-1)
+        >>> net = fully_shard(Net(), mesh=init_device_mesh("cpu", (4,)))
+        >>> register_fsdp_forward_method(net, "generate")
+        >>> net.generate(torch.ones(2, 8)).shape      # parameters gathered around it
+        torch.Size([2])
     """
     if not isinstance(module, FSDPModule):
         return  # as torch: the same code runs with and without fully_shard

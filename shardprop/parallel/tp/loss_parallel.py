@@ -244,8 +244,11 @@ def loss_parallel():
     ``[B*S, C]`` is the usual form.
 
     Example:
-        >>> logits = model(tokens)  # DTensor [B, S, V], Shard(2) on the tp mesh  # doctest: +SKIP
-        >>> with loss_parallel():  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> head = parallelize_module(nn.Linear(8, 32), mesh, ColwiseParallel(use_local_output=False))
+        >>> logits = head(torch.randn(2, 3, 8))   # DTensor [2, 3, 32], Shard(2): vocab-sharded
+        >>> targets = torch.arange(6).view(2, 3)
+        >>> with loss_parallel():
         ...     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         ...     loss.backward()
     """

@@ -123,6 +123,15 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Op
     dim a style shards unevenly (by default uneven dims are split in ``torch.chunk`` order, as torch's).
     Raises ValueError for a style on a module type it does not support.
 
+    Example:
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        >>> mlp = parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        >>> mlp[0].weight.placements, mlp[2].weight.placements
+        ((S(0),), (S(1),))
+        >>> mlp(torch.randn(4, 8)).shape       # plain tensors in and out
+        torch.Size([4, 8])
+
     Example (a Llama-style model, plain tensor parallelism; attention and MLP each do one
     all-reduce forward and one backward; each rank runs n_heads // tp heads, so the model must
     reshape with the local head count, e.g. ``-1`` instead of ``n_heads`` in ``view``)::

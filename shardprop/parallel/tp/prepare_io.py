@@ -19,9 +19,10 @@ class PrepareModuleInputOutput(ParallelStyle):
 
     Example (attention gets a replicated input; its replicated output leaves sharded)::
 
-        >>> parallelize_module(block, mesh, {"attn": PrepareModuleInputOutput(
+        >>> style = PrepareModuleInputOutput(
         ...     input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None),
-        ...     output_layouts=Replicate(), desired_output_layouts=Shard(0))})  # doctest: +SKIP
+        ...     output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        >>> parallelize_module(block, mesh, {"attn": style})  # doctest: +SKIP
     """
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,

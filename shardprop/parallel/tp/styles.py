@@ -174,6 +174,10 @@ class ParallelStyle:
     Subclasses install parameters (``distribute_params``) and forward hooks, and return the module.
     ``src_data_rank`` (set by ``parallelize_module``, as torch's styles carry it) is the mesh rank
     whose parameter values every rank gets; None: each rank keeps its own.
+
+    Example:
+        >>> isinstance(ColwiseParallel(), ParallelStyle)
+        True
     """
 
     src_data_rank: Optional[int] = 0
@@ -268,7 +272,11 @@ class ColwiseParallel(_LinearStyle):
         use_local_output: return the local shard as a plain tensor (default) instead of the DTensor.
 
     Example:
-        >>> parallelize_module(model, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        >>> mlp = parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        >>> mlp[0].weight.to_local().shape     # this rank's 16 / 4 output features
+        torch.Size([4, 8])
         >>> # logits kept vocab-sharded for loss_parallel():
         >>> parallelize_module(model, tp_mesh, {"output": ColwiseParallel(use_local_output=False)})  # doctest: +SKIP
     """
@@ -293,7 +301,7 @@ class RowwiseParallel(_LinearStyle):
 
     Example:
         >>> plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        ...         "attention.wo": RowwiseParallel(output_layouts=Shard(1))}  # doctest: +SKIP
+        ...         "attention.wo": RowwiseParallel(output_layouts=Shard(1))}
     """
 
     def _layouts(self, kind):
@@ -315,7 +323,11 @@ class SequenceParallel(ParallelStyle):
 
     Example:
         >>> plan = {"attention_norm": SequenceParallel(), "attention": PrepareModuleInput(
-        ...     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}  # doctest: +SKIP
+        ...     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+        >>> norm = parallelize_module(nn.LayerNorm(8), init_device_mesh("cpu", (4,)), SequenceParallel())
+        >>> y = norm(torch.randn(2, 3, 8))        # this rank's 3 tokens of a 12-token sequence
+        >>> y.placements, y.shape
+        ((S(1),), torch.Size([2, 12, 8]))
     """
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
@@ -388,8 +400,8 @@ class PrepareModuleInput(ParallelStyle):
 
     Example (attention fed from a sequence-parallel norm: gather the sequence)::
 
-        >>> PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
-        ...                    use_local_output=True)  # doctest: +SKIP
+        >>> style = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+        ...                            use_local_output=True)
     """
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
@@ -430,7 +442,7 @@ class PrepareModuleOutput(ParallelStyle):
 
     Example (a sequence-parallel block hands a replicated activation to the next stage)::
 
-        >>> PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())  # doctest: +SKIP
+        >>> style = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
     """
 
     def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
