@@ -271,6 +271,14 @@ def run(config: Config, stack: str, workdir: str, seed_ckpt: str, python: str = 
     return result
 
 
+def aborted_after_training(result: Result, config: Config) -> bool:
+    """Whether a run logged every step and then died at exit ("terminate called ..." after torchtitan's
+    "Process group destroyed"): the losses are all there; the crash is at process teardown."""
+    if result.ok or len(result.steps) != config.steps or not result.error.startswith("terminate called"):
+        return False
+    return "Process group destroyed" in result.error
+
+
 def compare(a: Result, b: Result, atol: float = 1e-5, grad_rtol: float = 1e-4) -> List[str]:
     """Step-by-step differences: losses beyond ``atol``, grad norms beyond ``grad_rtol`` (relative), missing steps."""
     problems = []

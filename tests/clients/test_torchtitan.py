@@ -46,6 +46,11 @@ def test_torchtitan_losses_match(workdir, name, request):
     config = harness.CONFIGS[name]
     seed = harness.prepare(path, config=config)
     ours = harness.run(config, "shardprop", path, seed)
+    if harness.aborted_after_training(ours, config):
+        # A known intermittent abort at process exit, after every step and the process group's teardown
+        # (about one launched run in thirty): reported, and the run repeated once; a second one fails.
+        print(f"\nWARNING: {name}: shardprop's run aborted after training completed ({ours.error}); running again")
+        ours = harness.run(config, "shardprop", path, seed)
     reference = harness.run(config, "torch", path, seed)
     print(harness.row(name, reference, ours))
     if not reference.ok:
