@@ -325,6 +325,33 @@ def register_opaque_value(cls: type, read_members=()) -> None:
         opaque_object.register_opaque_type(cls, typ="value", members=members)
 
 
+def _value_types_need_base() -> bool:
+    """Whether this torch wants value-type opaque classes to use ``OpaqueValueBase`` (2.11 wants it of every
+    opaque class; later releases exempt value types). Probed by registering a throwaway value class."""
+    class _Probe:  # a valid value type wherever the base is not required
+        def __eq__(self, other):
+            return isinstance(other, _Probe)
+
+        def __hash__(self):
+            return 0
+
+        def __fx_repr__(self):
+            return "None", {}
+
+    try:
+        register_opaque_value(_Probe)
+    except TypeError as e:
+        return "Base" in str(e)
+    except Exception:  # noqa: BLE001 - no opaque types at all: nothing to derive from
+        return False
+    return False
+
+
+# The base of shardprop's placements: compile's opaque base where value types need it (2.11), else object,
+# whose subclasses keep CPython's fast ``isinstance`` (the base's metaclass answers it in Python).
+PLACEMENT_BASE = OpaqueValueBase if _value_types_need_base() else object
+
+
 def dynamo_traces_redistribute_of(cls: type) -> None:
     """Let dynamo trace ``x.redistribute(...)`` of ``cls`` instances as ordinary Python.
 

@@ -14,7 +14,7 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 _ALIASES = {"prod": "product"}
 
 
-class Placement(compat.OpaqueValueBase):  # the base lets compiled code hold a placement as a value
+class Placement(compat.PLACEMENT_BASE):  # on 2.11 compile needs this base to hold a placement as a value
     """Base of Shard, _StridedShard, Replicate and Partial.
 
     Example:
