@@ -92,11 +92,18 @@ class Solution:
         return next(c.choice for c in self.choices if c.unit == unit)
 
 
-def _options(u: Units, shape: Shape, cm: CostModel) -> Dict[str, Dict[Tuple[str, str], Tuple[float, float, float]]]:
-    """unit -> (boundary, choice) -> (compute s, comm s, memory bytes), counted with repeats."""
+def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None
+             ) -> Dict[str, Dict[Tuple[str, str], Tuple[float, float, float]]]:
+    """unit -> (boundary, choice) -> (compute s, comm s, memory bytes), counted with repeats.
+
+    ``sp``: force sequence parallelism on (True) or off (False); None lets the solver choose.
+    """
     k, dp, a = shape.tp, shape.dp, shape.dp * shape.cp
     n = u.repeats
-    bounds = ["replicate"] + (["sequence-parallel"] if u.sp_ok and k > 1 else [])
+    bounds = (["replicate"] if sp is not True else []) + (["sequence-parallel"] if u.sp_ok and k > 1 and sp is not False else [])
+    # fully_shard units mixing sequence-parallel norms (replicated over tp) with plain parameters are not
+    # supported by our FSDP: under sequence parallelism with dp, every unit that can be sharded is.
+    mixed_ok = lambda b: not (b == "sequence-parallel" and dp > 1)
     lay = {"replicate": R, "sequence-parallel": S1}
     tt = lambda s, d, nbytes: transition_time(s, d, nbytes / a, k, cm)
 
@@ -112,7 +119,7 @@ def _options(u: Units, shape: Shape, cm: CostModel) -> Dict[str, Dict[Tuple[str,
         pbytes = sum(l.param_bytes for l in r.entries + ((r.exit,) if r.exit else ()))
         for b in bounds:
             L = lay[b]
-            for c in (["colwise+rowwise"] if r.shardable and k > 1 else []) + ["replicate"]:
+            for c in (["colwise+rowwise"] if r.shardable and k > 1 else []) + (["replicate"] if mixed_ok(b) or not r.shardable else []):
                 shard = c != "replicate"
                 comp = r.compute / a / (k if shard else 1)
                 if shard:
@@ -141,7 +148,7 @@ def _options(u: Units, shape: Shape, cm: CostModel) -> Dict[str, Dict[Tuple[str,
         e, opts = u.embedding, {}
         for b in bounds:
             L = lay[b]
-            for c in (["vocab-sharded"] if e.rowwise_ok else []) + ["replicate"]:
+            for c in (["vocab-sharded"] if e.rowwise_ok else []) + (["replicate"] if mixed_ok(b) or not e.rowwise_ok else []):
                 shard = c != "replicate"
                 comm = tt(P, L, u.boundary_bytes) if shard else tt(R, L, u.boundary_bytes)
                 dpc, mem = params(e.param_bytes / (k if shard else 1), 1)
@@ -151,7 +158,7 @@ def _options(u: Units, shape: Shape, cm: CostModel) -> Dict[str, Dict[Tuple[str,
         o, opts = u.output, {}
         for b in bounds:
             L = lay[b]
-            for c in (["colwise"] if o.colwise_ok and k > 1 else []) + ["replicate"]:
+            for c in (["colwise"] if o.colwise_ok and k > 1 else []) + (["replicate"] if mixed_ok(b) or not o.colwise_ok else []):
                 shard = c != "replicate"
                 comm = tt(L, R, u.boundary_bytes)
                 if shard:
@@ -166,7 +173,7 @@ def _options(u: Units, shape: Shape, cm: CostModel) -> Dict[str, Dict[Tuple[str,
 
 
 def solve_shape(u: Units, shape: Shape, cm: CostModel, *, memory_per_rank: Optional[float] = None,
-                time_limit: float = 30.0) -> Optional[Solution]:
+                sequence_parallel: Optional[bool] = None, time_limit: float = 30.0) -> Optional[Solution]:
     """Solve one mesh shape with HiGHS; None when no plan fits ``memory_per_rank`` (bytes).
 
         >>> solve_shape(units, Shape(tp=2), CostModel.default()).boundary  # doctest: +SKIP
@@ -177,7 +184,9 @@ def solve_shape(u: Units, shape: Shape, cm: CostModel, *, memory_per_rank: Optio
     from scipy.sparse import coo_matrix
 
     t0 = time.perf_counter()
-    opts = _options(u, shape, cm)
+    opts = _options(u, shape, cm, sequence_parallel)
+    if not opts.get("block boundary") and u.block_prefix:
+        return None
     bounds = sorted({b for o in opts.values() for b, _ in o})
     cols: List[Tuple[str, str, str]] = [("beta", b, "") for b in bounds]
     for unit, o in opts.items():

@@ -133,17 +133,21 @@ def find_units(model: nn.Module, graph: Graph, strats: Dict[int, Tuple[Strategy,
         return Linear(rel, nbytes if w is not None else 0.0, mod.in_features, mod.out_features, col, row)
 
     def views_keep(path: str) -> bool:
-        """Every view after this Linear's matmul keeps a shard (heads divisible by tp)."""
+        """Every view after this Linear's matmul keeps its column shard (heads divisible by tp)."""
         i = mm_of.get(path)
-        todo, ok = [Ref(i)] if i is not None else [], True
+        if i is None or k == 1:
+            return True
+        todo, ok = [(Ref(i), Shard(1))], True
         while todo:
-            r = todo.pop()
-            for v, _ in consumers.get(r, []):
+            r, have = todo.pop()
+            for v, pos in consumers.get(r, []):
                 n = nodes[v]
                 if is_view(n) and n.scope.startswith(path.rpartition(".")[0]):
-                    ok &= any(s.ins and s.ins[0].is_shard() and s.outs[0] is not None and s.outs[0].is_shard()
-                              for s in strats[v]) or k == 1
-                    todo.append(Ref(v))
+                    nxt = [s.outs[0] for s in strats[v] if s.ins and s.ins[0] == have
+                           and s.outs[0] is not None and s.outs[0].is_shard()]
+                    ok &= bool(nxt)
+                    if nxt:
+                        todo.append((Ref(v), nxt[0]))
         return ok
 
     regions: List[Region] = []

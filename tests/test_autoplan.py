@@ -1,0 +1,133 @@
+"""autoplan: plans from the engine's rules and a cost model; applied plans train like one process.
+
+The 4-rank jobs apply each mesh shape autoplan can choose on 4 ranks (dp 4, dp 2 x tp 2 with
+sequence parallelism, tp 4) and its own pick, and compare three AdamW steps with one process.
+The scale solves (Llama3-8B on 64 ranks, Llama3-70B on 512, meta weights) are in the release tier.
+"""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.rankpool import run_on_ranks
+
+CFG = dict(dim=64, n_layers=2, n_heads=4, vocab_size=128, seq_len=16)
+BATCH, STEPS = 8, 3
+
+
+def _cfg(**kw):
+    from shardprop.demo.model import LlamaConfig
+    return LlamaConfig(**{**CFG, **kw})
+
+
+def _train_with_plan(shape, cfg_kw, force_sp=False):
+    import shardprop as sp
+    from shardprop.autoplan import Shape, autoplan
+    from shardprop.demo.model import Llama, lm_loss, make_optimizer, synthetic_batch
+
+    cfg = _cfg(**cfg_kw)
+    tokens, _ = synthetic_batch(cfg, BATCH, 0)
+    plan = autoplan(Llama(cfg), dist.get_world_size(), (tokens,), shapes=[Shape(*shape)] if shape else None,
+                    sequence_parallel=True if force_sp else None)
+    model = plan.apply(Llama(cfg, seed=0))
+    opt = make_optimizer("adamw", model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = synthetic_batch(cfg, BATCH, step)
+        loss = lm_loss(model(plan.local_batch(x)), plan.local_batch(y))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        t = loss.detach().full_tensor() if isinstance(loss, sp.DTensor) else loss.detach()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return str(plan.shape), plan.sequence_parallel, losses
+
+
+@pytest.mark.parametrize("shape,force_sp", [((4, 1), False), ((2, 2), False), ((2, 2), True), ((1, 4), True),
+                                            (None, False)], ids=["dp4", "dp2xtp2", "dp2xtp2-sp", "tp4-sp", "auto"])
+def test_applied_plan_trains_like_one_process(shape, force_sp):
+    from shardprop.demo.model import reference_losses
+
+    want = reference_losses(_cfg(), STEPS, BATCH)
+    for name, sp_on, got in run_on_ranks(4, _train_with_plan, shape, {}, force_sp):
+        assert got == pytest.approx(want, abs=2e-4), (name, got, want)
+        assert sp_on == force_sp or shape is None
+
+
+def _plan(world=4, **kw):
+    from shardprop.autoplan import autoplan
+    from shardprop.demo.model import Llama, synthetic_batch
+
+    cfg = _cfg()
+    with torch.device("meta"):
+        model = Llama(cfg)
+    tokens, _ = synthetic_batch(cfg, BATCH, 0)
+    return autoplan(model, world, (tokens,), **kw)
+
+
+def test_plan_prints_each_unit_with_costs_and_runner_up():
+    from shardprop.autoplan import Shape
+
+    text = str(_plan(shapes=[Shape(2, 2)]))
+    for unit in ("layers.*.attention", "layers.*.feed_forward", "layers.* boundary", "tok_embeddings", "output"):
+        assert unit in text, text
+    assert "runner-up" in text and "predicted step" in text and "dp 2 x tp 2" in text
+
+
+def test_tp_plan_is_the_demo_hand_plan_under_sequence_parallelism():
+    from shardprop.autoplan import Shape
+    from shardprop.demo.model import tp_plan
+
+    plan = _plan(shapes=[Shape(2, 2)], sequence_parallel=True)
+    got = {k: repr(v) for k, v in plan.tp_plan().items()}
+    want = {k: repr(v) for k, v in tp_plan().items()}
+    assert got == want
+
+
+def test_no_plan_fits_names_the_smallest():
+    from shardprop.autoplan import NoPlanFits
+
+    with pytest.raises(NoPlanFits, match="smallest plan found needs"):
+        _plan(memory_per_rank=1e4)
+
+
+def test_memory_limit_changes_the_choice():
+    from shardprop.autoplan import Shape
+
+    free = _plan(shapes=[Shape(1, 4)])
+    # Below what the unconstrained plan needs, but above the all-sharded plan's memory.
+    tight = _plan(shapes=[Shape(1, 4)], memory_per_rank=free.solution.memory * 0.999, objective="memory")
+    assert tight.solution.memory <= free.solution.memory * 0.999
+
+
+def test_heads_not_divisible_by_tp_are_not_sharded():
+    from shardprop.autoplan import Shape, autoplan
+    from shardprop.demo.model import Llama, synthetic_batch
+
+    cfg = _cfg(n_heads=2, dim=64)
+    tokens, _ = synthetic_batch(cfg, BATCH, 0)
+    plan = autoplan(Llama(cfg), 4, (tokens,), shapes=[Shape(1, 4)])
+    assert plan.solution.of("block.attention") == "replicate"
+    assert "heads not divisible" in str(plan)
+
+
+@pytest.mark.release
+@pytest.mark.parametrize("model,world", [("llama3-8b", 64), ("llama3-70b", 512)])
+def test_scale_plans_in_a_minute(model, world):
+    from shardprop.autoplan import CostModel, autoplan
+    from shardprop.autoplan.costs import PRESETS
+    from shardprop.demo.dry_run import MODELS
+    from shardprop.demo.model import Llama
+
+    cfg = MODELS[model]
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        m = Llama(cfg)
+    tokens = torch.zeros(world // 8, cfg.seq_len, dtype=torch.long, device="meta")
+    plan = autoplan(m, world, (tokens,), cost_model=PRESETS["h100"], memory_per_rank=80 * 2**30)
+    took = time.perf_counter() - t0
+    assert took <= 60, took
+    assert plan.shape.world == world and plan.solution.memory <= 80 * 2**30
