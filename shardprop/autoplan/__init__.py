@@ -7,9 +7,10 @@ the layers around it) with HiGHS (``scipy.optimize.milp``) for each mesh shape i
 answer is a :class:`~shardprop.autoplan.plan.Plan`: printable, editable, and applied with the
 public styles and ``fully_shard``. See docs/guides/autoplan.md.
 """
+from shardprop.autoplan.calibrate import calibrate
 from shardprop.autoplan.costs import CostModel
 from shardprop.autoplan.plan import NoPlanFits, Plan
 from shardprop.autoplan.search import autoplan, mesh_shapes
 from shardprop.autoplan.solve import Shape
 
-__all__ = ["autoplan", "Plan", "NoPlanFits", "CostModel", "Shape", "mesh_shapes"]
+__all__ = ["autoplan", "calibrate", "Plan", "NoPlanFits", "CostModel", "Shape", "mesh_shapes"]

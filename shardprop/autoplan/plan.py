@@ -73,6 +73,10 @@ class Plan:
         return self.solution.boundary == "sequence-parallel"
 
     @property
+    def activation_checkpointing(self) -> bool:
+        return any(c.unit == "activation checkpointing" and c.choice == "every block" for c in self.solution.choices)
+
+    @property
     def fsdp(self) -> bool:
         return self.shape.dp > 1
 
@@ -154,10 +158,15 @@ class Plan:
         names = mesh.mesh_dim_names or ()
         if self.shape.tp > 1:
             parallelize_module(model, mesh["tp"], self.tp_plan())
+        prefix = self.block.rpartition(".")[0]
+        blocks = model.get_submodule(prefix) if prefix else []
+        if self.activation_checkpointing:  # torch's non-reentrant checkpoint of each block, as torchtitan's "full" AC
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+            for i, block in enumerate(list(blocks)):
+                blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if self.shape.dp > 1:
             dp_mesh = mesh["dp"] if "dp" in names and len(names) > 1 else mesh
-            prefix = self.block.rpartition(".")[0]
-            blocks = model.get_submodule(prefix) if prefix else []
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh)
             fully_shard(model, mesh=dp_mesh)
@@ -179,12 +188,14 @@ class Plan:
         s = self.solution
         head = (f"autoplan: {s.shape} on {s.shape.world} ranks"
                 f"{', sequence parallel' if self.sequence_parallel else ''}"
-                f"{', fully_shard over dp' if self.fsdp else ''}; predicted step {_fmt_s(s.step_time)} "
+                f"{', fully_shard over dp' if self.fsdp else ''}"
+                f"{', activation checkpointing' if self.activation_checkpointing else ''}; predicted step {_fmt_s(s.step_time)} "
                 f"(compute {_fmt_s(s.compute)}, tp comm {_fmt_s(s.tp_comm)}, dp comm {_fmt_s(s.dp_comm)}, "
                 f"overhead {_fmt_s(s.overhead)}), memory {_fmt_b(s.memory)} per rank "
                 f"[costs: {self.cost_source}; planned in {self.plan_seconds:.1f} s]")
         rows = []
-        names = {"block boundary": f"{self.block} boundary", "embedding": self.embedding, "output": self.output}
+        names = {"block boundary": f"{self.block} boundary", "embedding": self.embedding, "output": self.output,
+                 "activation checkpointing": f"{self.block} checkpointing"}
         for c in s.choices:
             unit = names.get(c.unit) or f"{self.block}.{c.unit[6:]}"
             beat = f"{c.runner_up} (+{_fmt_s(c.runner_up_delta)})" if c.runner_up else "-"

@@ -144,6 +144,16 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None
         dpc2, mem2 = params(u.root_rest_param_bytes, 1)
         opts[(b, b)] = (n * comp, n * (comm + dpc) + dpc2, n * mem + mem2)
     out["block boundary"] = opts
+    if n > 1:  # activation checkpointing of every block: recompute each forward, keep only block inputs
+        opts = {}
+        for b in bounds:
+            sp = b == "sequence-parallel"
+            split = lambda r: k if (r.shardable and k > 1) else 1
+            acts = sum(r.act_bytes / a / split(r) for r in u.regions) + u.block_rest_act / a / (k if sp else 1)
+            fwd = (sum(r.compute / a / split(r) for r in u.regions) + u.block_rest_compute / a / (k if sp else 1)) / 3
+            opts[(b, "off")] = (0.0, 0.0, 0.0)
+            opts[(b, "every block")] = (n * fwd, 0.0, -(n - 1) * acts + n * u.boundary_bytes / a / (k if sp else 1))
+        out["activation checkpointing"] = opts
     if u.embedding is not None:
         e, opts = u.embedding, {}
         for b in bounds:
@@ -253,6 +263,8 @@ def _dp_part(u: Units, shape: Shape, cm: CostModel, col) -> float:
     if shape.dp <= 1:
         return 0.0
     unit, b, c = col
+    if unit == "activation checkpointing":
+        return 0.0
     k, dp = shape.tp, shape.dp
     shard = c not in ("replicate",) and unit not in ("block boundary",)
     if unit.startswith("block.") and unit != "block boundary":
@@ -272,7 +284,7 @@ def _param_memory(u: Units, shape: Shape, on) -> float:
     total = 0.0
     for unit, b, c in on:
         shard = c not in ("replicate", "beta") and unit not in ("block boundary", "beta")
-        if unit == "beta":
+        if unit in ("beta", "activation checkpointing"):
             continue
         if unit == "block boundary":
             nbytes = u.repeats * u.block_norm_bytes + u.root_rest_param_bytes
