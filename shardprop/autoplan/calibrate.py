@@ -76,12 +76,19 @@ def _rank_main(rank: int, world: int, port: int, backend: str, reps: int, q) -> 
         a = torch.randn(512, 512, device=dev)
         mm = _time(lambda: ([a @ a for _ in range(10)], sync()), reps) / 10
         out["matmul_flops"] = 2 * 512 ** 3 / mm
-        x = torch.randn(4 << 20, device=dev)
-        ew = _time(lambda: ([x + x for _ in range(5)], sync()), reps) / 5
+        # Activation-sized operands (1 MiB): what a training step's elementwise ops mostly see.
+        x = torch.randn(1 << 18, device=dev)
+        ew = _time(lambda: ([x + x for _ in range(50)], sync()), reps) / 50
         out["elementwise_bytes"] = 3 * x.numel() * 4 / ew
-        # An eager op with autograd recording, as in training's forward.
+        # An eager op with autograd recording and its backward, as in a training step (per op, one direction).
         s = torch.ones(8, device=dev, requires_grad=True)
-        out["op_overhead"] = _time(lambda: [s + s for _ in range(200)], reps) / 200
+
+        def chain():
+            y = s
+            for _ in range(100):
+                y = y * 1.0
+            y.sum().backward()
+        out["op_overhead"] = _time(chain, reps) / 200
         dist.barrier()
         if rank == 0:
             q.put(out)
