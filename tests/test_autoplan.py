@@ -131,3 +131,59 @@ def test_scale_plans_in_a_minute(model, world):
     took = time.perf_counter() - t0
     assert took <= 60, took
     assert plan.shape.world == world and plan.solution.memory <= 80 * 2**30
+
+
+# ---------------------------------------------------------------- HF models (transformers, from configs)
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=128, max_position_embeddings=16)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
+                                                                      num_experts_per_tok=2))
+
+
+def _hf_losses(model, step_batches, local=lambda t: t):
+    import torch.nn.functional as F
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for x, y in step_batches:
+        logits = model(input_ids=local(x)).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), local(y).flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _batches():
+    from shardprop.demo.model import synthetic_batch
+    return [synthetic_batch(_cfg(), BATCH, s) for s in range(STEPS)]
+
+
+def _train_hf(name, shape, force_sp):
+    import shardprop as sp
+    from shardprop.autoplan import Shape, autoplan
+
+    tokens = _batches()[0][0]
+    plan = autoplan(_hf(name), 4, (tokens,), shapes=[Shape(*shape)] if shape else None,
+                    sequence_parallel=True if force_sp else None)
+    model = plan.apply(_hf(name))
+    out = []
+    for t in _hf_losses(model, _batches(), plan.local_batch):
+        t = t.full_tensor() if isinstance(t, sp.DTensor) else t
+        dist.all_reduce(t)
+        out.append(t.item() / dist.get_world_size())
+    return str(plan), out
+
+
+@pytest.mark.parametrize("name,shape,force_sp", [("llama", (2, 2), False), ("mixtral", None, False)],
+                         ids=["hf-llama-2x2", "hf-mixtral-auto"])
+def test_hf_models_train_like_one_process(name, shape, force_sp):
+    want = [t.item() for t in _hf_losses(_hf(name), _batches())]
+    for text, got in run_on_ranks(4, _train_hf, name, shape, force_sp):
+        assert got == pytest.approx(want, abs=5e-4), (text, got, want)

@@ -54,7 +54,7 @@ class Plan:
     solution: Solution
     others: Tuple[Solution, ...]
     block: str
-    regions: Tuple[Tuple[str, Tuple[str, ...], str], ...]   # (region, entry Linears, exit Linear)
+    regions: Tuple[Tuple[str, Tuple[str, ...], str, str], ...]   # (region, entry Linears, exit Linear, input kwarg)
     norms: Tuple[str, ...]
     embedding: str
     output: str
@@ -116,9 +116,12 @@ class Plan:
                 out[self.embedding] = PrepareModuleOutput(output_layouts=R, desired_output_layouts=S1)
         for name in self.norms if sp else ():
             out[f"{self.block}.{name}"] = SequenceParallel()
-        for region, entries, exit_ in self.regions:
+        for region, entries, exit_, kw in self.regions:
             if choice.get(f"block.{region}") == "colwise+rowwise":
-                if sp:
+                if sp and kw:  # the region takes its input by keyword (HF: self_attn(hidden_states=...))
+                    out[f"{self.block}.{region}"] = PrepareModuleInput(
+                        input_kwarg_layouts={kw: S1}, desired_input_kwarg_layouts={kw: R})
+                elif sp:
                     out[f"{self.block}.{region}"] = PrepareModuleInput(input_layouts=(S1,), desired_input_layouts=(R,))
                 for e in entries:
                     out[f"{self.block}.{e}"] = ColwiseParallel()

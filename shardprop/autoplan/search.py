@@ -107,7 +107,9 @@ def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: t
     best = min(solved, key=key)
     u = units_by_tp[best.shape.tp]
     block = u.block_prefix.rpartition(".")[0] + ".*" if u.block_prefix else ""
-    regions = tuple((r.path, tuple(e.path for e in r.entries), r.exit.path if r.exit else "") for r in u.regions)
+    kws = graph.module_kw
+    regions = tuple((r.path, tuple(e.path for e in r.entries), r.exit.path if r.exit else "",
+                     kws.get(f"{u.block_prefix}.{r.path}", "")) for r in u.regions)
     notes = []
     for r in u.regions:
         if not r.shardable and best.shape.tp > 1:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from shardprop.dispatch import registry
 from shardprop.tensor.spec import TensorMeta
 
 __all__ = ["Ref", "Node", "Graph", "trace_model", "find_blocks"]
@@ -79,6 +80,7 @@ class Graph:
     block_output: Optional[Ref]      # what the recorded block returns
     module_io: Dict[str, Tuple[Tuple[Ref, ...], Tuple[Ref, ...]]]  # module path -> (input refs, output refs)
     module_types: Dict[str, type]
+    module_kw: Dict[str, str]        # module path -> keyword its first tensor input came by ("" if positional)
 
     def consumers(self) -> Dict[Ref, List[Tuple[int, int]]]:
         """Ref -> [(consumer node, argument position among its refs)]."""
@@ -112,7 +114,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:
+            # Some meta kernels are stricter than the device kernels (_grouped_mm's wants bf16): the
+            # engine keeps an output-meta override for those, as propagation does.
+            fn = registry.entry(func).output_meta
+            if fn is None:
+                raise
+            out = fn(*args, **kwargs)
         self.t.record(func, args, kwargs, out)
         return out
 
@@ -203,28 +213,38 @@ def trace_model(model: nn.Module, example_inputs: tuple) -> Graph:
     io_of = lambda v: tuple(t.ids[id(a)] for a in tree_flatten(v)[0] if isinstance(a, torch.Tensor) and id(a) in t.ids)
     block_io = {}
 
+    module_kw: Dict[str, str] = {}
+
     def pre(name):
-        def hook(mod, args):
+        def hook(mod, args, kwargs):
             t.scope.append(name)
             if name in blocks[1:]:
                 t.recording = False
-            if name == t.block and args and isinstance(args[0], torch.Tensor):
-                src = t.ids.get(id(args[0]))
+            kw = "" if args and isinstance(args[0], torch.Tensor) else next(
+                (k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), "")
+            first = args[0] if not kw else kwargs[kw]
+            if name == t.block and isinstance(first, torch.Tensor):
+                src = t.ids.get(id(first))
                 with torch.utils._python_dispatch._disable_current_modes():
-                    x = args[0].view(args[0].shape)
+                    x = first.view(first.shape)
                 i = t.add("block_input", None, (src,), (), (_meta(x),), name=name)
                 t.bind(x, Ref(i))
                 block_io["in"] = i
-                args = (x,) + tuple(args[1:])
+                if kw:
+                    kwargs = {**kwargs, kw: x}
+                else:
+                    args = (x,) + tuple(args[1:])
             if t.recording:
-                module_io[name] = (io_of(args), ())
-            return args
+                module_io[name] = (io_of((args, kwargs if kw else {})), ())
+                module_kw[name] = kw
+            return args, kwargs
         return hook
 
     def post(name):
         def hook(mod, args, out):
             if name == t.block:
-                block_io["out"] = t.ids.get(id(out)) if isinstance(out, torch.Tensor) else None
+                first = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) else None
+                block_io["out"] = t.ids.get(id(first)) if isinstance(first, torch.Tensor) else None
             if name in blocks[1:]:
                 t.recording = True
                 if isinstance(out, torch.Tensor) and block_io.get("out") is not None:
@@ -237,7 +257,7 @@ def trace_model(model: nn.Module, example_inputs: tuple) -> Graph:
     handles = []
     for name, mod in model.named_modules():
         if name:
-            handles.append(mod.register_forward_pre_hook(pre(name)))
+            handles.append(mod.register_forward_pre_hook(pre(name), with_kwargs=True))
             handles.append(mod.register_forward_hook(post(name)))
     try:
         with torch.no_grad(), _Recorder(t):
@@ -247,7 +267,7 @@ def trace_model(model: nn.Module, example_inputs: tuple) -> Graph:
             h.remove()
     outputs = io_of(out)
     return Graph(t.nodes, outputs, max(1, len(blocks)), t.block, block_io.get("in"), block_io.get("out"),
-                 module_io, types)
+                 module_io, types, module_kw)
 
 
 def _replace_scope(n: Node, name: str, block: str) -> Node:

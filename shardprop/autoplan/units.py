@@ -188,6 +188,11 @@ def find_units(model: nn.Module, graph: Graph, strats: Dict[int, Tuple[Strategy,
     rest = [n for n in nodes if n.kind == "op" and n.in_block and not any(_under(n.scope, p) for p in in_regions)]
     sp_bad = [n for n in rest if not is_view(n) and not any(s.outs and s.outs[0] == Shard(1) for s in strats[n.index])]
     sp_why = f"{sp_bad[0].op} in {sp_bad[0].scope or 'the block'} offers no Shard(1)" if sp_bad and k > 1 else ""
+    kw_regions = [r.path for r in regions if graph.module_kw.get(f"{block}.{r.path}")]
+    if kw_regions and k > 1:
+        # HF-style blocks (inputs by keyword) build their rotary tables and masks from the embedding
+        # output's shape, which sequence parallelism would make the local piece's.
+        sp_why = sp_why or f"{kw_regions[0]} takes its input by keyword (HF style: positions come from the local shape)"
     bin_meta = nodes[graph.block_input].metas[0] if graph.block_input is not None else None
     if bin_meta is not None and (len(bin_meta.shape) < 2 or bin_meta.shape[1] % k):
         sp_why = sp_why or "the sequence is not divisible by tp"
