@@ -8,7 +8,7 @@ the same 4 gloo ranks and then timed in interleaved rounds (each round runs ever
 ``--steps`` AdamW steps, the order rotating), so load from other processes on the machine
 falls on all of them alike. A plan's step time is the median over its timed steps of the
 slowest rank's time. autoplan's prediction is its cost model's (``CostModel.default()``: this
-machine's calibration if ``shardprop.autoplan.calibrate()`` saved one).
+machine's calibration if ``shardprop.calibrate()`` saved one).
 
 Models: the demo Llama; torchtitan's debug model config (dim 256, 6 layers, 16 heads, vocab
 2048: built with the demo Llama, whose module tree is torchtitan's); tiny HF Llama and Mixtral
@@ -88,7 +88,7 @@ def hand_plans(name: str):
 
 def _ranks(rank, world, names, rounds, steps, memory_gib):
     import shardprop as sp
-    from shardprop.autoplan import autoplan
+    from shardprop import autoplan
 
     torch.set_num_threads(1)
     meshes = {"tp4": sp.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
@@ -143,7 +143,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from tabulate import tabulate
 
-    from shardprop.autoplan import CostModel
+    from shardprop import CostModel
 
     rows = launch(_ranks, 4, args.models.split(","), args.rounds, args.steps, args.memory_gib, timeout_s=3000)
     table = []

@@ -24,7 +24,7 @@ def _cfg(**kw):
 
 def _train_with_plan(shape, cfg_kw, force_sp=False):
     import shardprop as sp
-    from shardprop.autoplan import Shape, autoplan
+    from shardprop.planner import Shape, autoplan
     from shardprop.demo.model import Llama, lm_loss, make_optimizer, synthetic_batch
 
     cfg = _cfg(**cfg_kw)
@@ -58,7 +58,7 @@ def test_applied_plan_trains_like_one_process(shape, force_sp):
 
 
 def _plan(world=4, **kw):
-    from shardprop.autoplan import autoplan
+    from shardprop.planner import autoplan
     from shardprop.demo.model import Llama, synthetic_batch
 
     cfg = _cfg()
@@ -69,7 +69,7 @@ def _plan(world=4, **kw):
 
 
 def test_plan_prints_each_unit_with_costs_and_runner_up():
-    from shardprop.autoplan import Shape
+    from shardprop.planner import Shape
 
     text = str(_plan(shapes=[Shape(2, 2)]))
     for unit in ("layers.*.attention", "layers.*.feed_forward", "layers.* boundary", "tok_embeddings", "output"):
@@ -78,7 +78,7 @@ def test_plan_prints_each_unit_with_costs_and_runner_up():
 
 
 def test_tp_plan_is_the_demo_hand_plan_under_sequence_parallelism():
-    from shardprop.autoplan import Shape
+    from shardprop.planner import Shape
     from shardprop.demo.model import tp_plan
 
     plan = _plan(shapes=[Shape(2, 2)], sequence_parallel=True)
@@ -88,14 +88,14 @@ def test_tp_plan_is_the_demo_hand_plan_under_sequence_parallelism():
 
 
 def test_no_plan_fits_names_the_smallest():
-    from shardprop.autoplan import NoPlanFits
+    from shardprop.planner import NoPlanFits
 
     with pytest.raises(NoPlanFits, match="smallest plan found needs"):
         _plan(memory_per_rank=1e4)
 
 
 def test_memory_limit_changes_the_choice():
-    from shardprop.autoplan import Shape
+    from shardprop.planner import Shape
 
     free = _plan(shapes=[Shape(1, 4)])
     # Below what the unconstrained plan needs, but above the all-sharded plan's memory.
@@ -104,7 +104,7 @@ def test_memory_limit_changes_the_choice():
 
 
 def test_heads_not_divisible_by_tp_are_not_sharded():
-    from shardprop.autoplan import Shape, autoplan
+    from shardprop.planner import Shape, autoplan
     from shardprop.demo.model import Llama, synthetic_batch
 
     cfg = _cfg(n_heads=2, dim=64)
@@ -117,8 +117,8 @@ def test_heads_not_divisible_by_tp_are_not_sharded():
 @pytest.mark.release
 @pytest.mark.parametrize("model,world", [("llama3-8b", 64), ("llama3-70b", 512)])
 def test_scale_plans_in_a_minute(model, world):
-    from shardprop.autoplan import CostModel, autoplan
-    from shardprop.autoplan.costs import PRESETS
+    from shardprop.planner import CostModel, autoplan
+    from shardprop.planner.costs import PRESETS
     from shardprop.demo.dry_run import MODELS
     from shardprop.demo.model import Llama
 
@@ -167,7 +167,7 @@ def _batches():
 
 def _train_hf(name, shape, force_sp):
     import shardprop as sp
-    from shardprop.autoplan import Shape, autoplan
+    from shardprop.planner import Shape, autoplan
 
     tokens = _batches()[0][0]
     plan = autoplan(_hf(name), 4, (tokens,), shapes=[Shape(*shape)] if shape else None,

@@ -15,12 +15,12 @@ from typing import Iterable, List, Optional, Union
 
 import torch.nn as nn
 
-from shardprop.autoplan.candidates import strategies
-from shardprop.autoplan.costs import CostModel
-from shardprop.autoplan.plan import NoPlanFits, Plan
-from shardprop.autoplan.solve import Shape, Solution, solve_shape
-from shardprop.autoplan.trace import trace_model
-from shardprop.autoplan.units import find_units
+from shardprop.planner.candidates import strategies
+from shardprop.planner.costs import CostModel
+from shardprop.planner.plan import NoPlanFits, Plan
+from shardprop.planner.solve import Shape, Solution, solve_shape
+from shardprop.planner.trace import trace_model
+from shardprop.planner.units import find_units
 
 __all__ = ["autoplan", "mesh_shapes"]
 

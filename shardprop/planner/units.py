@@ -27,9 +27,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-from shardprop.autoplan.candidates import Strategy
-from shardprop.autoplan.costs import CostModel, is_view, node_cost
-from shardprop.autoplan.trace import Graph, Ref
+from shardprop.planner.candidates import Strategy
+from shardprop.planner.costs import CostModel, is_view, node_cost
+from shardprop.planner.trace import Graph, Ref
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
 __all__ = ["Linear", "Region", "Units", "find_units"]

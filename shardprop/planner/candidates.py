@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_map
 
-from shardprop.autoplan.trace import Graph, Node, Ref
+from shardprop.planner.trace import Graph, Node, Ref
 from shardprop.dispatch import registry
 from shardprop.dispatch.op_schema import FLOAT, OpSchema
 from shardprop.dispatch.propagate import PropContext, ShardingError

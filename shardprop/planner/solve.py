@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from shardprop.autoplan.costs import CostModel, transition_time
-from shardprop.autoplan.units import Units
+from shardprop.planner.costs import CostModel, transition_time
+from shardprop.planner.units import Units
 from shardprop.tensor.placement import Partial, Replicate, Shard
 
 __all__ = ["Shape", "Choice", "Solution", "solve_shape", "ADAMW_FACTOR"]

@@ -4,13 +4,13 @@
 asks the registered sharding rules which placements each aten op accepts, prices the
 redistributions and compute with a calibrated cost model, and solves one repeated block (and
 the layers around it) with HiGHS (``scipy.optimize.milp``) for each mesh shape it tries. The
-answer is a :class:`~shardprop.autoplan.plan.Plan`: printable, editable, and applied with the
+answer is a :class:`~shardprop.planner.plan.Plan`: printable, editable, and applied with the
 public styles and ``fully_shard``. See docs/guides/autoplan.md.
 """
-from shardprop.autoplan.calibrate import calibrate
-from shardprop.autoplan.costs import CostModel
-from shardprop.autoplan.plan import NoPlanFits, Plan
-from shardprop.autoplan.search import autoplan, mesh_shapes
-from shardprop.autoplan.solve import Shape
+from shardprop.planner.calibrate import calibrate
+from shardprop.planner.costs import CostModel
+from shardprop.planner.plan import NoPlanFits, Plan
+from shardprop.planner.search import autoplan, mesh_shapes
+from shardprop.planner.solve import Shape
 
 __all__ = ["autoplan", "calibrate", "Plan", "NoPlanFits", "CostModel", "Shape", "mesh_shapes"]

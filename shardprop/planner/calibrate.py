@@ -7,7 +7,7 @@ reduce-scatter, all-reduce and all-to-all over a ladder of message sizes (median
 runs). A least-squares fit of ``time = alpha + moved_bytes / bandwidth`` per (kind, group size)
 gives the model's links. Matmul flops and elementwise bandwidth are timed with every rank busy at
 once (the ranks share the cores in training too); the per-op overhead is an eager ``add`` on a
-small tensor. The result is saved as JSON (:func:`shardprop.autoplan.costs.default_path`) and
+small tensor. The result is saved as JSON (:func:`shardprop.planner.costs.default_path`) and
 read by ``autoplan`` and the dry run's collective table.
 
     >>> cm = calibrate(sizes=(2, 4))  # doctest: +SKIP
@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Optional, Sequence
 
-from shardprop.autoplan.costs import KINDS, CostModel, default_path, moved_bytes
+from shardprop.planner.costs import KINDS, CostModel, default_path, moved_bytes
 
 __all__ = ["calibrate"]
 

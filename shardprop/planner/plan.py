@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from shardprop.autoplan.solve import Shape, Solution
+from shardprop.planner.solve import Shape, Solution
 from shardprop.parallel.tp.styles import ParallelStyle
 from shardprop.tensor.placement import Replicate, Shard
 
@@ -158,9 +158,15 @@ class Plan:
         if mesh is None:
             dev = next((p.device.type for p in model.parameters()), "cpu")
             mesh = self.make_mesh("cpu" if dev == "meta" else dev)
-        names = mesh.mesh_dim_names or ()
+        names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+        # A 2-d mesh is (dp, tp) in that order (any names: the dry run's is ("dp_cp", "tp")); a 1-d one is
+        # whichever of dp and tp this plan uses.
+        if mesh.ndim == 2:
+            dp_mesh, tp_mesh = mesh[names[0]], mesh[names[1]]
+        else:
+            dp_mesh, tp_mesh = mesh, mesh
         if self.shape.tp > 1:
-            parallelize_module(model, mesh["tp"], self.tp_plan())
+            parallelize_module(model, tp_mesh, self.tp_plan())
         prefix = self.block.rpartition(".")[0]
         blocks = model.get_submodule(prefix) if prefix else []
         if self.activation_checkpointing:  # torch's non-reentrant checkpoint of each block, as torchtitan's "full" AC
@@ -169,7 +175,6 @@ class Plan:
             for i, block in enumerate(list(blocks)):
                 blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if self.shape.dp > 1:
-            dp_mesh = mesh["dp"] if "dp" in names and len(names) > 1 else mesh
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh)
             fully_shard(model, mesh=dp_mesh)

@@ -112,6 +112,11 @@ class CostModel:
             return cls.from_json(json.load(f))
 
     @classmethod
+    def preset(cls, name: str) -> "CostModel":
+        """A built-in profile: "cpu" (this project's CI machine) or "h100" (a GPU cluster, for planning on paper)."""
+        return PRESETS[name]
+
+    @classmethod
     def default(cls) -> "CostModel":
         """The saved calibration if this machine has one, else :data:`CPU_DEFAULT`."""
         return cls.load() or CPU_DEFAULT
