@@ -127,6 +127,24 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """SDPA as the fused CPU kernel's op (what training runs), not the math path meta tensors fall back to.
+
+    On meta, ``F.scaled_dot_product_attention`` decomposes into the math path, whose ``seq x seq``
+    scores would count as memory the fused kernel never holds.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if mask is None and not kwargs.get("dropout_p", 0.0) and q.shape[-3] == k.shape[-3] and q.dim() == 4:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+                    q, k, v, is_causal=kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
 class _Tracer:
     def __init__(self):
         self.nodes: List[Node] = []
@@ -260,7 +278,7 @@ def trace_model(model: nn.Module, example_inputs: tuple) -> Graph:
             handles.append(mod.register_forward_pre_hook(pre(name), with_kwargs=True))
             handles.append(mod.register_forward_hook(post(name)))
     try:
-        with torch.no_grad(), _Recorder(t):
+        with torch.no_grad(), _FusedAttention(), _Recorder(t):
             out = torch.func.functional_call(model, state, inputs)
     finally:
         for h in handles:
