@@ -126,9 +126,10 @@ def plan_on_paper(cfg: LlamaConfig, world: int, batch: Optional[int] = None, seq
         model = Llama(LlamaConfig(**{**cfg.__dict__, "seq_len": seq}))
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     # An H100's 80 GB: the activation estimate is conservative, so activation checkpointing comes on at scale.
-    plan = autoplan(model, world, (tokens,), cost_model=CostModel.preset("h100"), memory_per_rank=80 * 2**30)
+    plan = autoplan(model, world, (tokens,), cost_model=CostModel.preset("h100"), memory_per_rank=80 * 2**30,
+                    context_parallel=cfg.sdpa)
     say(plan)
-    return plan, f"{plan.shape.dp}x1x{plan.shape.tp}"
+    return plan, f"{plan.shape.dp}x{plan.shape.cp}x{plan.shape.tp}"
 
 
 def dry_run(model_name: str, mesh_spec: str, rank: int = 0, seq: Optional[int] = None, batch: Optional[int] = None,

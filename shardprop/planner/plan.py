@@ -36,6 +36,8 @@ def _fmt_s(s: float) -> str:
 
 
 def _fmt_b(n: float) -> str:
+    if n < 0:
+        return "-" + _fmt_b(-n)
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -78,7 +80,7 @@ class Plan:
 
     @property
     def fsdp(self) -> bool:
-        return self.shape.dp > 1
+        return self.shape.dp * self.shape.cp > 1
 
     @property
     def predicted_step_time(self) -> float:
@@ -155,6 +157,10 @@ class Plan:
         from shardprop.parallel.fsdp.fully_shard import fully_shard
         from shardprop.parallel.tp.parallelize import parallelize_module
 
+        if mesh is None and self.shape.cp > 1:
+            raise NotImplementedError(
+                "Plan.apply: a plan with context parallelism needs the mesh given, (dp x cp, tp) as torchtitan's "
+                "dp_shard_cp (fully_shard spans it), and the training step under shardprop.context_parallel over cp")
         if mesh is None:
             dev = next((p.device.type for p in model.parameters()), "cpu")
             mesh = self.make_mesh("cpu" if dev == "meta" else dev)
@@ -174,7 +180,7 @@ class Plan:
 
             for i, block in enumerate(list(blocks)):
                 blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-        if self.shape.dp > 1:
+        if self.fsdp:
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh)
             fully_shard(model, mesh=dp_mesh)
@@ -206,7 +212,12 @@ class Plan:
                  "activation checkpointing": f"{self.block} checkpointing"}
         for c in s.choices:
             unit = names.get(c.unit) or f"{self.block}.{c.unit[6:]}"
-            beat = f"{c.runner_up} (+{_fmt_s(c.runner_up_delta)})" if c.runner_up else "-"
+            if not c.runner_up:
+                beat = "-"
+            elif c.runner_up_delta >= 0:
+                beat = f"{c.runner_up} (+{_fmt_s(c.runner_up_delta)})"
+            else:  # faster, but over the memory limit (or kept out by another unit's choice)
+                beat = f"{c.runner_up} ({_fmt_s(-c.runner_up_delta)} faster, over the memory limit)"
             rows.append([unit, c.choice, _fmt_s(c.compute), _fmt_s(c.comm), _fmt_b(c.memory), beat])
         table = tabulate(rows, headers=["unit", "choice", "compute", "comm", "memory", "runner-up (slower by)"])
         shapes = sorted(self.others, key=lambda o: o.step_time)[:4]

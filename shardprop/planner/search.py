@@ -25,20 +25,22 @@ from shardprop.planner.units import find_units
 __all__ = ["autoplan", "mesh_shapes"]
 
 
-def mesh_shapes(world: int, batch: Optional[int] = None, max_tp: int = 64) -> List[Shape]:
-    """Every ``dp x tp`` of ``world`` with ``tp <= max_tp`` and ``dp`` dividing ``batch``.
+def mesh_shapes(world: int, batch: Optional[int] = None, max_tp: int = 64, seq: Optional[int] = None) -> List[Shape]:
+    """Every ``dp x tp`` (x ``cp`` when ``seq`` is given) of ``world``: ``tp <= max_tp``, ``dp`` divides ``batch``,
+    ``2 cp`` divides ``seq`` (ring attention's load-balanced halves).
 
         >>> [str(s) for s in mesh_shapes(4)]
         ['dp 4', 'dp 2 x tp 2', 'tp 4']
     """
     out = []
     for tp in range(1, min(world, max_tp) + 1):
-        if world % tp:
-            continue
-        dp = world // tp
-        if batch is not None and batch % dp:
-            continue
-        out.append(Shape(dp=dp, tp=tp))
+        for cp in range(1, world // tp + 1):
+            if world % (tp * cp) or (cp > 1 and (seq is None or seq % (2 * cp))):
+                continue
+            dp = world // (tp * cp)
+            if batch is not None and batch % dp:
+                continue
+            out.append(Shape(dp=dp, tp=tp, cp=cp))
     return out
 
 
@@ -63,7 +65,7 @@ def _world_of(mesh) -> tuple:
 def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: tuple, *,
              memory_per_rank: Optional[float] = None, objective: str = "step_time",
              cost_model: Optional[CostModel] = None, shapes: Optional[Iterable[Shape]] = None,
-             sequence_parallel: Optional[bool] = None, max_tp: int = 64) -> Plan:
+             sequence_parallel: Optional[bool] = None, context_parallel: bool = False, max_tp: int = 64) -> Plan:
     """Choose how to parallelize ``model`` over ``mesh`` (a world size, or a mesh with dims "dp"/"tp").
 
     ``example_inputs``: one global batch (shapes matter, values do not; meta tensors are fine).
@@ -72,6 +74,8 @@ def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: t
     "memory" (the smallest plan). ``cost_model``: default :meth:`CostModel.default` (this
     machine's calibration if saved, else a built-in profile). ``shapes``: the mesh shapes to try
     (default: every dp x tp of the world). ``sequence_parallel``: force it on or off (default: chosen).
+    ``context_parallel``: also try splitting the sequence over a cp mesh dim (ring attention; needs SDPA in
+    the model, and the training loop's ``shardprop.context_parallel``: see :meth:`Plan.apply`).
 
         >>> plan = autoplan(Llama(cfg), 4, (tokens,))  # doctest: +SKIP
         >>> print(plan); model = plan.apply(Llama(cfg))  # doctest: +SKIP
@@ -83,7 +87,10 @@ def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: t
     world, fixed = _world_of(mesh)
     graph = trace_model(model, example_inputs)
     batch = next((x.shape[0] for x in example_inputs if hasattr(x, "shape") and len(x.shape)), None)
-    candidates = list(shapes) if shapes is not None else [fixed] if fixed else mesh_shapes(world, batch, max_tp)
+    has_sdpa = any("scaled_dot_product" in str(n.op) for n in graph.nodes)
+    seq = next((x.shape[1] for x in example_inputs if hasattr(x, "shape") and len(x.shape) > 1), None)
+    candidates = list(shapes) if shapes is not None else [fixed] if fixed else mesh_shapes(
+        world, batch, max_tp, seq if context_parallel and has_sdpa else None)
     if not candidates:
         raise ValueError(f"autoplan: no dp x tp shape of {world} ranks divides the batch of {batch}")
     solved: List[Solution] = []

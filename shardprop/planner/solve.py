@@ -98,7 +98,8 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None
 
     ``sp``: force sequence parallelism on (True) or off (False); None lets the solver choose.
     """
-    k, dp, a = shape.tp, shape.dp, shape.dp * shape.cp
+    k, a = shape.tp, shape.dp * shape.cp
+    dp = a  # fully_shard spans dp x cp (torchtitan's dp_shard_cp)
     n = u.repeats
     bounds = (["replicate"] if sp is not True else []) + (["sequence-parallel"] if u.sp_ok and k > 1 and sp is not False else [])
     # fully_shard units mixing sequence-parallel norms (replicated over tp) with plain parameters are not
@@ -143,6 +144,11 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None
         comp += u.root_compute / a / (k if sp else 1)
         dpc2, mem2 = params(u.root_rest_param_bytes, 1)
         opts[(b, b)] = (n * comp, n * (comm + dpc) + dpc2, n * mem + mem2)
+    if shape.cp > 1:  # ring attention: each block passes its k/v shard cp - 1 times forward, k/v and grads twice back
+        for b in bounds:
+            kv = u.kv_bytes / a / (k if any(r.shardable for r in u.regions) and k > 1 else 1)
+            comp, comm, mem = opts[(b, b)]
+            opts[(b, b)] = (comp, comm + n * 3 * cm.collective("all_gather", shape.cp, kv), mem)
     out["block boundary"] = opts
     if n > 1:  # activation checkpointing of every block: recompute each forward, keep only block inputs
         opts = {}
@@ -245,8 +251,9 @@ def solve_shape(u: Units, shape: Shape, cm: CostModel, *, memory_per_rank: Optio
     ops = u.n_ops
     overhead = 3 * ops * cm.op_overhead
     dp_lat = 0.0
-    if shape.dp > 1:  # one all-gather (x2) and one reduce-scatter per fully_shard unit
-        dp_lat = (u.repeats + 1) * (2 * cm.latency("all_gather", shape.dp) + cm.latency("reduce_scatter", shape.dp))
+    g = shape.dp * shape.cp
+    if g > 1:  # one all-gather (x2) and one reduce-scatter per fully_shard unit
+        dp_lat = (u.repeats + 1) * (2 * cm.latency("all_gather", g) + cm.latency("reduce_scatter", g))
     dp_bw = sum(_dp_part(u, shape, cm, c) for c in on if c[0] != "beta")
     return Solution(shape, b, tuple(choices), compute, comm_total - dp_bw, dp_bw + dp_lat, overhead, memory, pmem,
                     time.perf_counter() - t0)
@@ -260,12 +267,12 @@ def _total(opts, b) -> float:
 
 def _dp_part(u: Units, shape: Shape, cm: CostModel, col) -> float:
     """The dp share of a chosen option's communication (for the report's split)."""
-    if shape.dp <= 1:
+    if shape.dp * shape.cp <= 1:
         return 0.0
     unit, b, c = col
     if unit == "activation checkpointing":
         return 0.0
-    k, dp = shape.tp, shape.dp
+    k, dp = shape.tp, shape.dp * shape.cp
     shard = c not in ("replicate",) and unit not in ("block boundary",)
     if unit.startswith("block.") and unit != "block boundary":
         r = next(r for r in u.regions if f"block.{r.path}" == unit)
@@ -280,7 +287,7 @@ def _dp_part(u: Units, shape: Shape, cm: CostModel, col) -> float:
 
 
 def _param_memory(u: Units, shape: Shape, on) -> float:
-    k, dp = shape.tp, shape.dp
+    k, dp = shape.tp, shape.dp * shape.cp
     total = 0.0
     for unit, b, c in on:
         shard = c not in ("replicate", "beta") and unit not in ("block boundary", "beta")
