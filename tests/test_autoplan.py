@@ -187,3 +187,46 @@ def test_hf_models_train_like_one_process(name, shape, force_sp):
     want = [t.item() for t in _hf_losses(_hf(name), _batches())]
     for text, got in run_on_ranks(4, _train_hf, name, shape, force_sp):
         assert got == pytest.approx(want, abs=5e-4), (text, got, want)
+
+
+# ---------------------------------------------------------------- the cost model and its calibration
+def test_cost_model_saves_and_loads(tmp_path):
+    from shardprop import CostModel
+    from shardprop.planner.costs import CPU_DEFAULT
+
+    path = tmp_path / "calibration.json"
+    import json
+    path.write_text(json.dumps(CPU_DEFAULT.to_json()))
+    got = CostModel.load(str(path))
+    assert got == CPU_DEFAULT
+    # Collective time grows with the message and the group; a group size never measured is extrapolated.
+    assert got.collective("all_reduce", 4, 1 << 20) > got.collective("all_reduce", 4, 1 << 10) > 0
+    assert got.collective("all_gather", 16, 1 << 20) > got.collective("all_gather", 4, 1 << 20)
+    assert got.collective("all_reduce", 1, 1 << 20) == 0.0
+
+
+def test_costs_move_the_choice():
+    """A network ten thousand times slower than compute leaves nothing sharded over tp."""
+    import dataclasses
+
+    from shardprop.planner import Shape
+    from shardprop.planner.costs import CPU_DEFAULT
+
+    slow = dataclasses.replace(CPU_DEFAULT, links=tuple((c, k, a * 1e4, b / 1e4) for c, k, a, b in CPU_DEFAULT.links))
+    fast = dataclasses.replace(CPU_DEFAULT, links=tuple((c, k, a / 1e4, b * 1e4) for c, k, a, b in CPU_DEFAULT.links))
+    assert _plan(shapes=[Shape(1, 4)], cost_model=slow).solution.of("block.feed_forward") == "replicate"
+    assert _plan(shapes=[Shape(1, 4)], cost_model=fast).solution.of("block.feed_forward") == "colwise+rowwise"
+    # Over all shapes, such a network is best not used at all: no fully_shard, nothing sharded.
+    best = _plan(cost_model=slow)
+    assert best.shape.dp == 1 and all(c.choice in ("replicate", "off") for c in best.solution.choices), str(best)
+
+
+@pytest.mark.release
+def test_calibrate_measures_and_saves(tmp_path):
+    from shardprop import CostModel, calibrate
+
+    path = str(tmp_path / "c.json")
+    cm = calibrate((2,), reps=3, path=path)
+    assert CostModel.load(path) == cm and cm.source.startswith("measured")
+    assert {c for c, k, a, b in cm.links} == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+    assert all(b > 0 and a >= 0 for c, k, a, b in cm.links) and cm.matmul_flops > 0

@@ -89,6 +89,11 @@ def _rank_main(rank: int, world: int, port: int, backend: str, reps: int, q) -> 
                 y = y * 1.0
             y.sum().backward()
         out["op_overhead"] = _time(chain, reps) / 200
+        # The same on a DTensor (the optimizer's ops on sharded parameters): the dispatcher's cached path.
+        from shardprop.tensor.distribute import distribute_tensor
+        from shardprop.tensor.placement import Shard
+        d = distribute_tensor(torch.ones(8 * world, device=dev), mesh, [Shard(0)])
+        out["dtensor_overhead"] = _time(lambda: [d.mul_(1.0) for _ in range(200)], reps) / 200
         dist.barrier()
         if rank == 0:
             q.put(out)
@@ -143,7 +148,8 @@ def calibrate(sizes: Sequence[int] = (2, 4), *, backend: str = "gloo", reps: int
         rates.append(res)
     best = rates[-1]  # compute rates with the most ranks busy: what training on this machine sees
     cm = CostModel(tuple(links), best["matmul_flops"], best["elementwise_bytes"], best["op_overhead"],
-                   f"measured on {socket.gethostname()} ({backend}, {time.strftime('%Y-%m-%d')})", backend)
+                   f"measured on {socket.gethostname()} ({backend}, {time.strftime('%Y-%m-%d')})", backend,
+                   best["dtensor_overhead"])
     if save:
         path = path or default_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)

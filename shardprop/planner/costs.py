@@ -58,6 +58,8 @@ class CostModel:
     op_overhead: float
     source: str = "built-in default"
     backend: str = "gloo"
+    # One eager op on a DTensor through the dispatcher (the optimizer's per-parameter ops under FSDP or TP).
+    dtensor_overhead: float = 6e-5
 
     def _link(self, kind: str, k: int) -> Tuple[float, float]:
         table = {(c, n): (a, b) for c, n, a, b in self.links}
@@ -95,12 +97,12 @@ class CostModel:
     def to_json(self) -> dict:
         return {"links": [list(x) for x in self.links], "matmul_flops": self.matmul_flops,
                 "elementwise_bytes": self.elementwise_bytes, "op_overhead": self.op_overhead,
-                "source": self.source, "backend": self.backend}
+                "source": self.source, "backend": self.backend, "dtensor_overhead": self.dtensor_overhead}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
         return cls(tuple(tuple(x) for x in d["links"]), d["matmul_flops"], d["elementwise_bytes"],
-                   d["op_overhead"], d.get("source", "file"), d.get("backend", "gloo"))
+                   d["op_overhead"], d.get("source", "file"), d.get("backend", "gloo"), d.get("dtensor_overhead", 6e-5))
 
     @classmethod
     def load(cls, path: Optional[str] = None) -> Optional["CostModel"]:
@@ -147,7 +149,7 @@ PRESETS = {
         tuple((c, k, 1e-5 * (k - 1) ** 0.5 + (2e-5 if k > 8 else 0.0), 1.5e11 if k <= 8 else 4.0e10)
               for c in KINDS for k in (2, 4, 8, 16, 32, 64, 128, 256, 512)),
         matmul_flops=4.0e14, elementwise_bytes=2.0e12, op_overhead=5e-6, source="preset h100 (on paper)",
-        backend="nccl"),
+        backend="nccl", dtensor_overhead=3e-5),
 }
 
 

@@ -248,8 +248,10 @@ def solve_shape(u: Units, shape: Shape, cm: CostModel, *, memory_per_rank: Optio
         comm_total += comm
         memory += m
     pmem = _param_memory(u, shape, on)
-    ops = u.n_ops
-    overhead = 3 * ops * cm.op_overhead
+    # Eager overhead: every traced op forward and twice in backward, and AdamW's ~12 ops per parameter
+    # tensor (on DTensors, through the dispatcher, once anything is sharded).
+    sharded = shape.world > 1
+    overhead = 3 * u.n_ops * cm.op_overhead + 12 * u.n_params * (cm.dtensor_overhead if sharded else cm.op_overhead)
     dp_lat = 0.0
     g = shape.dp * shape.cp
     if g > 1:  # one all-gather (x2) and one reduce-scatter per fully_shard unit

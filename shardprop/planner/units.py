@@ -91,6 +91,7 @@ class Units:
     repeats: int
     block_prefix: str
     n_ops: int
+    n_params: int = 0               # parameter tensors (the optimizer's per-tensor ops)
     kv_bytes: float = 0.0           # keys and values entering the block's SDPA (whole batch): ring attention's traffic
     seq_len: int = 0
 
@@ -236,6 +237,8 @@ def find_units(model: nn.Module, graph: Graph, strats: Dict[int, Tuple[Strategy,
             and n.name not in (emb_path + ".weight", out_path + ".weight") and not n.scope.startswith((block.rpartition(".")[0] + ".") if block else "\0")),
         sum(node_cost(n, graph, cm) for n in out_ops), sum(node_cost(n, graph, cm) for n in emb_ops),
         final_norm, norms, graph.repeats, block, sum((graph.repeats if n.in_block else 1) for n in nodes if n.kind == "op"),
+        sum(graph.repeats if n.in_block else 1 for n in nodes if n.kind == "param"
+            and (n.in_block or not (block and _under(n.scope, block.rpartition(".")[0] or block)))),
         sum(_bytes(nodes[r.node].metas[r.out]) for n in nodes if n.in_block and "scaled_dot_product" in str(n.op)
             for r in n.refs[1:3]),
         int(bin_meta.shape[1]) if bin_meta is not None and len(bin_meta.shape) > 1 else 0)
