@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-import torch
 from torch.utils._pytree import tree_map
 
 from shardprop.planner.trace import Graph, Node, Ref

@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from shardprop.tensor.placement import Partial, Placement, Replicate, Shard
+from shardprop.tensor.placement import Placement, Replicate, Shard
 
 __all__ = ["CostModel", "CPU_DEFAULT", "PRESETS", "transition_time", "moved_bytes", "default_path", "node_cost", "is_view"]
 

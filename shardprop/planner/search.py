@@ -121,6 +121,9 @@ def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: t
     for r in u.regions:
         if not r.shardable and best.shape.tp > 1:
             notes.append(f"note: {block}.{r.path} not sharded over tp {best.shape.tp}: {r.why_not}")
+    if best.shape.dp * best.shape.cp == 1 and all(c.choice in ("replicate", "off") for c in best.choices):
+        notes.append("note: nothing sharded: every rank runs the whole model (at this size, parallelism costs more "
+                     "than it saves)")
     if best.shape.tp > 1 and not u.sp_ok:
         notes.append(f"note: no sequence parallelism: {u.sp_why_not}")
     return Plan(best, tuple(s for s in solved if s is not best), block, regions, u.block_norms, u.embedding_path,
