@@ -21,7 +21,9 @@ def _cfg(**kw):
     return LlamaConfig(**{**CFG, **kw})
 
 
-def _train_with_plan(shape, cfg_kw, force_sp=False):
+def _train_with_plan(shape, cfg_kw, force_sp=False, loss_par=False):
+    import dataclasses
+
     import shardprop as sp
     from shardprop.planner import Shape, autoplan
     from shardprop.demo.model import Llama, lm_loss, make_optimizer, synthetic_batch
@@ -29,15 +31,20 @@ def _train_with_plan(shape, cfg_kw, force_sp=False):
     cfg = _cfg(**cfg_kw)
     tokens, _ = synthetic_batch(cfg, BATCH, 0)
     plan = autoplan(Llama(cfg), dist.get_world_size(), (tokens,), shapes=[Shape(*shape)] if shape else None,
-                    sequence_parallel=True if force_sp else None)
+                    sequence_parallel=True if force_sp else None, loss_parallel=loss_par)
+    if loss_par:  # a plan is an editable value: take the loss-parallel output even where it does not pay
+        choices = tuple(dataclasses.replace(c, choice="colwise, loss parallel") if c.unit == "output" else c
+                        for c in plan.solution.choices)
+        plan = plan.replace(solution=dataclasses.replace(plan.solution, choices=choices))
     model = plan.apply(Llama(cfg, seed=0))
     opt = make_optimizer("adamw", model.parameters())
     losses = []
     for step in range(STEPS):
         x, y = synthetic_batch(cfg, BATCH, step)
-        loss = lm_loss(model(plan.local_batch(x)), plan.local_batch(y))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with plan.loss_context():
+            loss = lm_loss(model(plan.local_batch(x)), plan.local_batch(y))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         opt.step()
         t = loss.detach().full_tensor() if isinstance(loss, sp.DTensor) else loss.detach()
         dist.all_reduce(t)
@@ -49,15 +56,17 @@ REL = pytest.mark.release  # the default suite keeps the plans with the most par
 
 
 @pytest.mark.parametrize("shape,force_sp", [pytest.param((4, 1), False, marks=REL), pytest.param((2, 2), False, marks=REL),
-                                            ((2, 2), True), ((1, 4), True), (None, False)],
-                         ids=["dp4", "dp2xtp2", "dp2xtp2-sp", "tp4-sp", "auto"])
+                                            ((2, 2), True), ((1, 4), True), (None, False),
+                                            pytest.param((1, 4), "loss", marks=REL)],
+                         ids=["dp4", "dp2xtp2", "dp2xtp2-sp", "tp4-sp", "auto", "tp4-sp-loss-parallel"])
 def test_applied_plan_trains_like_one_process(shape, force_sp):
     from shardprop.demo.model import reference_losses
 
     want = reference_losses(_cfg(), STEPS, BATCH)
-    for name, sp_on, got in run_on_ranks(4, _train_with_plan, shape, {}, force_sp):
+    loss_par = force_sp == "loss"
+    for name, sp_on, got in run_on_ranks(4, _train_with_plan, shape, {}, bool(force_sp), loss_par):
         assert got == pytest.approx(want, abs=2e-4), (name, got, want)
-        assert sp_on == force_sp or shape is None
+        assert sp_on == bool(force_sp) or shape is None
 
 
 def _plan(world=4, **kw):

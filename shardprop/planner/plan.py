@@ -75,6 +75,23 @@ class Plan:
         return self.solution.boundary == "sequence-parallel"
 
     @property
+    def loss_parallel(self) -> bool:
+        return any(c.unit == "output" and c.choice == "colwise, loss parallel" for c in self.solution.choices)
+
+    def loss_context(self):
+        """Where the loss (and its backward) must run: ``shardprop.loss_parallel()`` if the plan keeps the
+        logits vocab-sharded, else a context that does nothing.
+
+            >>> with plan.loss_context():  # doctest: +SKIP
+            ...     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()); loss.backward()
+        """
+        import contextlib
+
+        from shardprop.parallel.tp.loss_parallel import loss_parallel
+
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    @property
     def activation_checkpointing(self) -> bool:
         return any(c.unit == "activation checkpointing" and c.choice == "every block" for c in self.solution.choices)
 
@@ -135,6 +152,8 @@ class Plan:
         if self.output:
             if choice.get("output") == "colwise":
                 out[self.output] = ColwiseParallel(input_layouts=L, output_layouts=R)
+            elif choice.get("output") == "colwise, loss parallel":
+                out[self.output] = ColwiseParallel(input_layouts=L, output_layouts=Shard(-1), use_local_output=False)
             elif sp:
                 out[self.output] = PrepareModuleInput(input_layouts=(S1,), desired_input_layouts=(R,))
         return out
@@ -203,7 +222,8 @@ class Plan:
         head = (f"autoplan: {s.shape} on {s.shape.world} ranks"
                 f"{', sequence parallel' if self.sequence_parallel else ''}"
                 f"{', fully_shard over dp' if self.fsdp else ''}"
-                f"{', activation checkpointing' if self.activation_checkpointing else ''}; predicted step {_fmt_s(s.step_time)} "
+                f"{', activation checkpointing' if self.activation_checkpointing else ''}"
+                f"{', loss parallel' if self.loss_parallel else ''}; predicted step {_fmt_s(s.step_time)} "
                 f"(compute {_fmt_s(s.compute)}, tp comm {_fmt_s(s.tp_comm)}, dp comm {_fmt_s(s.dp_comm)}, "
                 f"overhead {_fmt_s(s.overhead)}), memory {_fmt_b(s.memory)} per rank "
                 f"[costs: {self.cost_source}; planned in {self.plan_seconds:.1f} s]")

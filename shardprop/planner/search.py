@@ -65,7 +65,8 @@ def _world_of(mesh) -> tuple:
 def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: tuple, *,
              memory_per_rank: Optional[float] = None, objective: str = "step_time",
              cost_model: Optional[CostModel] = None, shapes: Optional[Iterable[Shape]] = None,
-             sequence_parallel: Optional[bool] = None, context_parallel: bool = False, max_tp: int = 64) -> Plan:
+             sequence_parallel: Optional[bool] = None, context_parallel: bool = False, loss_parallel: bool = False,
+             max_tp: int = 64) -> Plan:
     """Choose how to parallelize ``model`` over ``mesh`` (a world size, or a mesh with dims "dp"/"tp").
 
     ``example_inputs``: one global batch (shapes matter, values do not; meta tensors are fine).
@@ -74,7 +75,8 @@ def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: t
     "memory" (the smallest plan). ``cost_model``: default :meth:`CostModel.default` (this
     machine's calibration if saved, else a built-in profile). ``shapes``: the mesh shapes to try
     (default: every dp x tp of the world). ``sequence_parallel``: force it on or off (default: chosen).
-    ``context_parallel``: also try splitting the sequence over a cp mesh dim (ring attention; needs SDPA in
+    ``loss_parallel``: also consider keeping the logits vocab-sharded (the loss must then run inside
+    :meth:`Plan.loss_context`, ``shardprop.loss_parallel``). ``context_parallel``: also try splitting the sequence over a cp mesh dim (ring attention; needs SDPA in
     the model, and the training loop's ``shardprop.context_parallel``: see :meth:`Plan.apply`).
 
         >>> plan = autoplan(Llama(cfg), 4, (tokens,))  # doctest: +SKIP
@@ -100,10 +102,11 @@ def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: t
         if shape.tp not in units_by_tp:
             units_by_tp[shape.tp] = find_units(model, graph, strategies(graph, shape.tp), shape.tp, cm)
         u = units_by_tp[shape.tp]
-        free = solve_shape(u, shape, cm, sequence_parallel=sequence_parallel) if memory_per_rank is not None else None
+        free = solve_shape(u, shape, cm, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel) if memory_per_rank is not None else None
         if free is not None and (smallest is None or free.memory < smallest.memory):
             smallest = free
-        sol = solve_shape(u, shape, cm, memory_per_rank=memory_per_rank, sequence_parallel=sequence_parallel)
+        sol = solve_shape(u, shape, cm, memory_per_rank=memory_per_rank, sequence_parallel=sequence_parallel,
+                          loss_parallel=loss_parallel)
         if sol is not None:
             solved.append(sol)
     if not solved:

@@ -92,7 +92,7 @@ class Solution:
         return next(c.choice for c in self.choices if c.unit == unit)
 
 
-def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None
+def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None, loss_parallel: bool = False
              ) -> Dict[str, Dict[Tuple[str, str], Tuple[float, float, float]]]:
     """unit -> (boundary, choice) -> (compute s, comm s, memory bytes), counted with repeats.
 
@@ -174,22 +174,24 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None
         o, opts = u.output, {}
         for b in bounds:
             L = lay[b]
-            for c in (["colwise"] if o.colwise_ok and k > 1 else []) + (["replicate"] if mixed_ok(b) or not o.colwise_ok else []):
+            cols = ["colwise"] + (["colwise, loss parallel"] if loss_parallel else []) if o.colwise_ok and k > 1 else []
+            for c in cols + (["replicate"] if mixed_ok(b) or not o.colwise_ok else []):
                 shard = c != "replicate"
                 comm = tt(L, R, u.boundary_bytes)
-                if shard:
+                if c == "colwise":  # the logits are gathered (loss parallelism keeps them vocab-sharded)
                     comm += tt(SL, R, u.output_bytes)
                     if L == R:
                         comm += cm.collective("all_reduce", k, u.boundary_bytes / a)
                 dpc, mem = params(o.param_bytes / (k if shard else 1), 1)
-                mem += 2 * u.output_bytes / a  # logits and their softmax
+                mem += 2 * u.output_bytes / a / (k if c == "colwise, loss parallel" else 1)  # logits and their softmax
                 opts[(b, c)] = (u.output_compute / a / (k if shard else 1), comm + dpc, mem)
         out["output"] = opts
     return out
 
 
 def solve_shape(u: Units, shape: Shape, cm: CostModel, *, memory_per_rank: Optional[float] = None,
-                sequence_parallel: Optional[bool] = None, time_limit: float = 30.0) -> Optional[Solution]:
+                sequence_parallel: Optional[bool] = None, loss_parallel: bool = False,
+                time_limit: float = 30.0) -> Optional[Solution]:
     """Solve one mesh shape with HiGHS; None when no plan fits ``memory_per_rank`` (bytes).
 
         >>> solve_shape(units, Shape(tp=2), CostModel.default()).boundary  # doctest: +SKIP
@@ -200,7 +202,7 @@ def solve_shape(u: Units, shape: Shape, cm: CostModel, *, memory_per_rank: Optio
     from scipy.sparse import coo_matrix
 
     t0 = time.perf_counter()
-    opts = _options(u, shape, cm, sequence_parallel)
+    opts = _options(u, shape, cm, sequence_parallel, loss_parallel)
     if not opts.get("block boundary") and u.block_prefix:
         return None
     bounds = sorted({b for o in opts.values() for b, _ in o})
