@@ -11,6 +11,8 @@
     python -m shardprop.demo --fsdp --ac selective                     # tp + fully_shard + selective AC
     python -m shardprop.demo --fsdp --mesh 4 --lora --ac full          # torchtune's distributed LoRA recipe
     python -m shardprop.demo --dry-run --model llama3-70b --mesh 16x4x8  # one rank of 512, fake backend, meta
+    python -m shardprop.demo --autoplan                                # shardprop.autoplan chooses mesh and plan
+    python -m shardprop.demo --dry-run --autoplan --model llama3-70b --nproc 512  # planned on paper, then dry-run
 
 Spawns ranks (on 127.0.0.1) unless started by torchrun: on the CPU over gloo, or with
 ``--device cuda`` (the default when torch sees a GPU) on the GPUs: NCCL with one GPU per rank,
