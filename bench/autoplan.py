@@ -1,6 +1,6 @@
 """autoplan against the hand plans on 4 CPU ranks: step time measured and predicted.
 
-    python bench/autoplan.py [--rounds 5] [--steps 3] [--models demo,titan-debug,hf-llama,hf-mixtral]
+    python bench/autoplan.py [--calibrate] [--rounds 9] [--steps 2] [--models demo,titan-debug,hf-llama,hf-mixtral]
 
 For each model the hand plans as torchtitan writes them (TP 4 with sequence parallelism, FSDP 4,
 TP 2 x FSDP 2) and autoplan's own plan (same memory limit: ``--memory-gib``) are built once on
@@ -8,7 +8,8 @@ the same 4 gloo ranks and then timed in interleaved rounds (each round runs ever
 ``--steps`` AdamW steps, the order rotating), so load from other processes on the machine
 falls on all of them alike. A plan's step time is the median over its timed steps of the
 slowest rank's time. autoplan's prediction is its cost model's (``CostModel.default()``: this
-machine's calibration if ``shardprop.calibrate()`` saved one).
+machine's calibration if ``shardprop.calibrate()`` saved one; ``--calibrate`` takes one first), for
+its own plan and (``p``) for each hand plan's mesh shape.
 
 Models: the demo Llama; torchtitan's debug model config (dim 256, 6 layers, 16 heads, vocab
 2048: built with the demo Llama, whose module tree is torchtitan's); tiny HF Llama and Mixtral
@@ -89,6 +90,7 @@ def hand_plans(name: str):
 def _ranks(rank, world, names, rounds, steps, memory_gib):
     import shardprop as sp
     from shardprop import autoplan
+    from shardprop.planner import Shape
 
     torch.set_num_threads(1)
     meshes = {"tp4": sp.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
@@ -109,6 +111,11 @@ def _ranks(rank, world, names, rounds, steps, memory_gib):
         model, loss, batch = build(name)
         tokens, _ = batch(0)
         plan = autoplan(model, 4, (tokens,), memory_per_rank=memory_gib * 2**30)
+        # autoplan's cost model on each hand plan's shape (what it predicts for the hand plan).
+        sp_ok = not name.startswith("hf")
+        hand_pred = {label: autoplan(model, 4, (tokens,), shapes=[Shape(*shape)], sequence_parallel=sp_ok if shape[1] > 1
+                                     else None).predicted_step_time
+                     for label, shape in (("TP 4", (1, 4)), ("FSDP 4", (4, 1)), ("TP 2 x FSDP 2", (2, 2)))}
         mesh = {(4, 1): meshes["dp4"], (1, 4): meshes["tp4"], (2, 2): meshes["2x2"]}[(plan.shape.dp, plan.shape.tp)]
         runs["autoplan"] = (plan.apply(model, mesh), loss, batch, plan.local_batch)
         opts = {k: torch.optim.AdamW(v[0].parameters(), lr=1e-3, foreach=False) for k, v in runs.items()}
@@ -130,20 +137,24 @@ def _ranks(rank, world, names, rounds, steps, memory_gib):
                         times[label].append(took.item())
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append((name, med, (str(plan.shape) + (" +SP" if plan.sequence_parallel else "")
-                                 + (" +AC" if plan.activation_checkpointing else ""), plan.predicted_step_time), ""))
+                                 + (" +AC" if plan.activation_checkpointing else ""), plan.predicted_step_time,
+                                 hand_pred), ""))
     return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--models", default="demo,titan-debug,hf-llama,hf-mixtral")
     p.add_argument("--memory-gib", type=float, default=2.0)
+    p.add_argument("--calibrate", action="store_true", help="run shardprop.calibrate() first (saves this machine's costs)")
     args = p.parse_args(argv)
     from tabulate import tabulate
 
-    from shardprop import CostModel
+    from shardprop import CostModel, calibrate
+    if args.calibrate:
+        calibrate()
 
     rows = launch(_ranks, 4, args.models.split(","), args.rounds, args.steps, args.memory_gib, timeout_s=3000)
     table = []
@@ -153,12 +164,12 @@ def main(argv=None):
             continue
         hand = {k: v for k, v in med.items() if k != "autoplan"}
         best = min(hand, key=hand.get)
-        choice, pred = auto
-        table.append([name] + [f"{hand[k] * 1e3:.1f}" for k in ("TP 4", "FSDP 4", "TP 2 x FSDP 2")]
-                     + [choice, f"{med['autoplan'] * 1e3:.1f}", f"{pred * 1e3:.1f}",
+        choice, pred, hand_pred = auto
+        table.append([name] + [f"{hand[k] * 1e3:.0f} (p {hand_pred[k] * 1e3:.0f})" for k in ("TP 4", "FSDP 4", "TP 2 x FSDP 2")]
+                     + [choice, f"{med['autoplan'] * 1e3:.0f}", f"{pred * 1e3:.0f}",
                         f"{med['autoplan'] / hand[best]:.2f} (vs {best})"])
-    print(tabulate(table, headers=["model", "TP 4 ms", "FSDP 4 ms", "TP2xFSDP2 ms", "autoplan's choice",
-                                   "autoplan ms", "predicted ms", "ratio to best hand"]))
+    print(tabulate(table, headers=["model", "TP 4 ms (pred)", "FSDP 4 ms (pred)", "TP2xFSDP2 ms (pred)",
+                                   "autoplan's choice", "autoplan ms", "predicted ms", "ratio to best hand"]))
     print(f"(4 gloo ranks on this machine, medians of {args.rounds - 1} rounds x {args.steps} steps, interleaved; "
           f"costs: {CostModel.default().source})")
 
