@@ -16,6 +16,7 @@ read by ``autoplan`` and the dry run's collective table.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -94,11 +95,57 @@ def _rank_main(rank: int, world: int, port: int, backend: str, reps: int, q) -> 
         from shardprop.tensor.placement import Shard
         d = distribute_tensor(torch.ones(8 * world, device=dev), mesh, [Shard(0)])
         out["dtensor_overhead"] = _time(lambda: [d.mul_(1.0) for _ in range(200)], reps) / 200
+        # A reference training step (one process per rank, all busy, no communication): its time against
+        # what the rates above predict gives the compute scale.
+        dist.barrier()
+        model, x = _reference(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+        out["reference_step"] = _time(step, reps)
         dist.barrier()
         if rank == 0:
             q.put(out)
     finally:
         dist.destroy_process_group()
+
+
+def _reference(dev: str):
+    """A small transformer-like MLP stack and its input: what the compute scale is measured on."""
+    import torch
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.norm = nn.RMSNorm(d)
+            self.up = nn.Linear(d, 3 * d, bias=False)
+            self.down = nn.Linear(3 * d, d, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(256) for _ in range(4)]).to(dev)
+    return model, torch.randn(4, 128, 256, device=dev)
+
+
+def _compute_scale(cm: CostModel, measured: float) -> float:
+    """Measured reference step over its prediction by ``cm`` (compute only; the per-op overheads are kept)."""
+    from shardprop.planner.costs import node_cost
+    from shardprop.planner.trace import trace_model
+
+    model, x = _reference("cpu")
+    g = trace_model(model, (x,))
+    g_ops = sum((g.repeats if n.in_block else 1) for n in g.nodes if n.kind == "op")
+    compute = sum((g.repeats if n.in_block else 1) * node_cost(n, g, cm) for n in g.nodes)
+    n_params = sum(1 for _ in model.parameters())
+    overhead = 3 * g_ops * cm.op_overhead + 12 * n_params * cm.op_overhead
+    return min(max((measured - overhead) / max(compute, 1e-9), 0.5), 20.0)
 
 
 def _fit(points) -> tuple:
@@ -150,6 +197,7 @@ def calibrate(sizes: Sequence[int] = (2, 4), *, backend: str = "gloo", reps: int
     cm = CostModel(tuple(links), best["matmul_flops"], best["elementwise_bytes"], best["op_overhead"],
                    f"measured on {socket.gethostname()} ({backend}, {time.strftime('%Y-%m-%d')})", backend,
                    best["dtensor_overhead"])
+    cm = dataclasses.replace(cm, compute_scale=_compute_scale(cm, best["reference_step"]))
     if save:
         path = path or default_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -60,6 +60,9 @@ class CostModel:
     backend: str = "gloo"
     # One eager op on a DTensor through the dispatcher (the optimizer's per-parameter ops under FSDP or TP).
     dtensor_overhead: float = 6e-5
+    # Measured / predicted compute of a reference training step (calibrate): what flops and bytes miss
+    # (kernel efficiency at training's shapes, allocator, autograd bookkeeping).
+    compute_scale: float = 1.0
 
     def _link(self, kind: str, k: int) -> Tuple[float, float]:
         table = {(c, n): (a, b) for c, n, a, b in self.links}
@@ -89,20 +92,22 @@ class CostModel:
         return 0.0 if k <= 1 else self._link(kind, k)[0]
 
     def matmul(self, flops: float) -> float:
-        return flops / self.matmul_flops
+        return self.compute_scale * flops / self.matmul_flops
 
     def elementwise(self, nbytes: float) -> float:
-        return nbytes / self.elementwise_bytes
+        return self.compute_scale * nbytes / self.elementwise_bytes
 
     def to_json(self) -> dict:
         return {"links": [list(x) for x in self.links], "matmul_flops": self.matmul_flops,
                 "elementwise_bytes": self.elementwise_bytes, "op_overhead": self.op_overhead,
-                "source": self.source, "backend": self.backend, "dtensor_overhead": self.dtensor_overhead}
+                "source": self.source, "backend": self.backend, "dtensor_overhead": self.dtensor_overhead,
+                "compute_scale": self.compute_scale}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
         return cls(tuple(tuple(x) for x in d["links"]), d["matmul_flops"], d["elementwise_bytes"],
-                   d["op_overhead"], d.get("source", "file"), d.get("backend", "gloo"), d.get("dtensor_overhead", 6e-5))
+                   d["op_overhead"], d.get("source", "file"), d.get("backend", "gloo"), d.get("dtensor_overhead", 6e-5),
+                   d.get("compute_scale", 1.0))
 
     @classmethod
     def load(cls, path: Optional[str] = None) -> Optional["CostModel"]:
