@@ -239,7 +239,7 @@ def test_calibrate_measures_and_saves(tmp_path):
     from shardprop import CostModel, calibrate
 
     path = str(tmp_path / "c.json")
-    cm = calibrate((2,), reps=3, path=path)
+    cm = calibrate((2,), reps=3, path=path)  # a world of 2: one group size
     assert CostModel.load(path) == cm and cm.source.startswith("measured")
     assert {c for c, k, a, b in cm.links} == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
     assert all(b > 0 and a >= 0 for c, k, a, b in cm.links) and cm.matmul_flops > 0

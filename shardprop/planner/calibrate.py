@@ -1,9 +1,11 @@
 """``calibrate()``: time this machine's collectives and compute, fit the cost model, save it.
 
-Each group size (2 and 4 ranks by default) is a fresh set of processes on this host joined over
+Each world (4 ranks by default) is a fresh set of processes on this host joined over
 gloo (NCCL with ``backend="nccl"`` and GPUs); each rank builds a shardprop mesh (so gloo runs with
 our shared-memory transport where it applies, as training does) and times all-gather,
-reduce-scatter, all-reduce and all-to-all over a ladder of message sizes (median of several
+reduce-scatter, all-reduce and all-to-all over the whole world and over each smaller group size
+dividing it (groups of 2 timed while all 4 ranks run, as a tp group of a 2 x 2 mesh does), over
+a ladder of message sizes (median of several
 runs). A least-squares fit of ``time = alpha + moved_bytes / bandwidth`` per (kind, group size)
 gives the model's links. Matmul flops and elementwise bandwidth are timed with every rank busy at
 once (the ranks share the cores in training too); the per-op overhead is an eager ``add`` on a
@@ -58,19 +60,23 @@ def _rank_main(rank: int, world: int, port: int, backend: str, reps: int, q) -> 
         mesh = init_device_mesh(dev, (world,))
         sync = (lambda: torch.cuda.synchronize()) if dev == "cuda" else (lambda: None)
         out = {"links": {}}
-        for kind in KINDS:
-            pts = []
-            for nbytes in MESSAGE_BYTES:
-                n = max(world, nbytes // 4 // world * world)
-                t = torch.ones(n, device=dev)
-                call = {"all_gather": lambda: C.all_gather(t[: n // world], mesh, 0),
-                        "reduce_scatter": lambda: C.reduce_scatter(t, mesh, 0),
-                        "all_reduce": lambda: C.all_reduce(t, mesh, 0),
-                        "all_to_all": lambda: C.all_to_all(t, mesh, 0)}[kind]
-                dist.barrier()
-                inp = n * 4 / world if kind == "all_gather" else n * 4
-                pts.append((moved_bytes(kind, world, inp), _time(lambda: (call(), sync()), reps)))
-            out["links"][kind] = pts
+        # Every group size that divides the world, timed with all ranks of the world busy at once (a
+        # tp group of 2 inside 4 ranks on few cores waits on all of them, as in training).
+        for g in [d for d in range(2, world + 1) if world % d == 0]:
+            sub = mesh if g == world else init_device_mesh(dev, (world // g, g), mesh_dim_names=("o", "g"))["g"]
+            for kind in KINDS:
+                pts = []
+                for nbytes in MESSAGE_BYTES:
+                    n = max(g, nbytes // 4 // g * g)
+                    t = torch.ones(n, device=dev)
+                    call = {"all_gather": lambda: C.all_gather(t[: n // g], sub, 0),
+                            "reduce_scatter": lambda: C.reduce_scatter(t, sub, 0),
+                            "all_reduce": lambda: C.all_reduce(t, sub, 0),
+                            "all_to_all": lambda: C.all_to_all(t, sub, 0)}[kind]
+                    dist.barrier()
+                    inp = n * 4 / g if kind == "all_gather" else n * 4
+                    pts.append((moved_bytes(kind, g, inp), _time(lambda: (call(), sync()), reps)))
+                out["links"][(kind, g)] = pts
         # Compute with every rank busy at once.
         dist.barrier()
         # Loops long enough (tens of ms) that the ranks' runs overlap, as in a training step.
@@ -165,9 +171,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def calibrate(sizes: Sequence[int] = (2, 4), *, backend: str = "gloo", reps: int = 5,
+def calibrate(sizes: Sequence[int] = (4,), *, backend: str = "gloo", reps: int = 5,
               path: Optional[str] = None, save: bool = True) -> CostModel:
-    """Measure collectives over each group size in ``sizes`` and compute throughput; save and return the model.
+    """Measure collectives over each world size in ``sizes`` (and every group size dividing it, timed inside that
+    world with all its ranks busy) and compute throughput; save and return the model.
 
     Runs in fresh processes (this process needs no process group). ``path`` defaults to
     ``~/.cache/shardprop/calibration.json`` (``$XDG_CACHE_HOME``); ``save=False`` only returns it.
@@ -189,9 +196,9 @@ def calibrate(sizes: Sequence[int] = (2, 4), *, backend: str = "gloo", reps: int
         finally:
             for p in procs:
                 p.join(timeout=60)
-        for kind, pts in res["links"].items():
+        for (kind, g), pts in res["links"].items():
             alpha, bw = _fit(pts)
-            links.append((kind, world, alpha, bw))
+            links = [l for l in links if (l[0], l[1]) != (kind, g)] + [(kind, g, alpha, bw)]
         rates.append(res)
     best = rates[-1]  # compute rates with the most ranks busy: what training on this machine sees
     cm = CostModel(tuple(links), best["matmul_flops"], best["elementwise_bytes"], best["op_overhead"],
