@@ -36,6 +36,7 @@ from shardprop.parallel.hf_plans import parallelize_hf
 from shardprop.parallel.fast.optim_foreach import set_optimizer_foreach_default
 from shardprop.parallel.tp.parallelize import distribute_module, parallelize_module
 from shardprop.parallel.tp.prepare_io import PrepareModuleInputOutput
+from shardprop.planner import CostModel, NoPlanFits, Plan, autoplan, calibrate
 from shardprop.parallel.tp.styles import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 from shardprop.tensor.distribute import distribute_tensor
@@ -66,4 +67,6 @@ __all__ = [
     "fast_paths", "fast_paths_enabled", "set_fast_paths",
     "ExpertParallel", "ExpertTensorParallel", "ExpertLoad", "expert_load",
     "HFExperts", "parallelize_hf",
+    # automatic plans (shardprop.planner): docs/guides/autoplan.md
+    "autoplan", "calibrate", "Plan", "NoPlanFits", "CostModel",
 ]

@@ -22,6 +22,7 @@ ALLOWED = {
     "shardprop.debug": {"shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
     "shardprop.demo": {"shardprop", "shardprop.mesh"},
     "shardprop.interop": {"shardprop", "shardprop.mesh"},
+    "shardprop.planner": {"shardprop.parallel", "shardprop.dispatch", "shardprop.tensor", "shardprop.mesh"},
 }
 MAX_LINES = 600
 

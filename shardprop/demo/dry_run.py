@@ -109,11 +109,36 @@ def _local_bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
+def plan_on_paper(cfg: LlamaConfig, world: int, batch: Optional[int] = None, seq: Optional[int] = None, say=print):
+    """``shardprop.autoplan`` of the model for ``world`` ranks on the H100 preset, 80 GiB per rank (meta weights).
+
+    Returns the plan and its mesh spec for :func:`dry_run`.
+
+    ``batch`` defaults to one sequence per 8 ranks. Example:
+        >>> plan, spec = plan_on_paper(MODELS["tiny"], 8, say=lambda *a: None)  # doctest: +SKIP
+    """
+    from shardprop import autoplan
+    from shardprop import CostModel
+
+    seq = seq or cfg.seq_len
+    batch = batch or max(1, world // 8)
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(**{**cfg.__dict__, "seq_len": seq}))
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    # An H100's 80 GB: the activation estimate is conservative, so activation checkpointing comes on at scale.
+    plan = autoplan(model, world, (tokens,), cost_model=CostModel.preset("h100"), memory_per_rank=80 * 2**30,
+                    context_parallel=cfg.sdpa)
+    say(plan)
+    return plan, f"{plan.shape.dp}x{plan.shape.cp}x{plan.shape.tp}"
+
+
 def dry_run(model_name: str, mesh_spec: str, rank: int = 0, seq: Optional[int] = None, batch: Optional[int] = None,
-            cfg: Optional[LlamaConfig] = None, say=print) -> dict:
+            cfg: Optional[LlamaConfig] = None, say=print, autoplan_world: Optional[int] = None) -> dict:
     """Run one training step of ``model_name`` as ``rank`` of the mesh ``mesh_spec``; return the report.
 
     Starts (and at the end destroys) a fake default group: call it in a process with none.
+    ``autoplan_world``: instead of ``mesh_spec`` and the demo's plan, ``shardprop.autoplan`` chooses the
+    mesh shape and the plan for that many ranks (:func:`plan_on_paper`), and the step runs that plan.
 
     Example:
         >>> report = dry_run("tiny", "2x2x2", say=lambda *a: None)  # doctest: +SKIP
@@ -124,6 +149,10 @@ def dry_run(model_name: str, mesh_spec: str, rank: int = 0, seq: Optional[int] =
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     cfg = cfg or MODELS[model_name]
+    plan = None
+    if autoplan_world:
+        plan, mesh_spec = plan_on_paper(cfg, autoplan_world, batch, seq, say)
+        batch = batch or max(1, autoplan_world // 8)
     shape, names = parse_mesh(mesh_spec)
     dims = dict(zip(names, shape))
     dp, cp, tp = dims.get("dp", 1), dims.get("cp", 1), dims.get("tp", 1)
@@ -145,11 +174,14 @@ def dry_run(model_name: str, mesh_spec: str, rank: int = 0, seq: Optional[int] =
         run_cfg = LlamaConfig(**{**cfg.__dict__, "seq_len": local_seq})
         with torch.device("meta"):
             model = Llama(run_cfg)
-        if tp > 1:
-            sp.parallelize_module(model, fsdp_tp["tp"], tp_plan())
-        for block in model.layers:
-            sp.fully_shard(block, mesh=fsdp_tp["dp_cp"])
-        sp.fully_shard(model, mesh=fsdp_tp["dp_cp"])
+        if plan is not None:
+            plan.apply(model, fsdp_tp)
+        else:
+            if tp > 1:
+                sp.parallelize_module(model, fsdp_tp["tp"], tp_plan())
+            for block in model.layers:
+                sp.fully_shard(block, mesh=fsdp_tp["dp_cp"])
+            sp.fully_shard(model, mesh=fsdp_tp["dp_cp"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         t_setup = time.perf_counter() - t0
         tokens = torch.zeros(local_batch, local_seq, dtype=torch.long, device="meta")
@@ -171,7 +203,7 @@ def dry_run(model_name: str, mesh_spec: str, rank: int = 0, seq: Optional[int] =
             "activations_ac_bytes": activation_bytes(cfg, local_batch, local_seq, tp, itemsize, ac=True),
             "collectives": {f"{k}/{n}": v for (k, n), v in sorted(comms.by_group.items())},
             "cp_ring_estimate": _cp_ring(cfg, local_batch, local_seq, cp, tp, itemsize),
-            "setup_s": t_setup, "step_s": t_step,
+            "setup_s": t_setup, "step_s": t_step, "plan": str(plan) if plan is not None else "",
         }
     finally:
         dist.destroy_process_group()
@@ -199,6 +231,21 @@ def _gb(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _cost_model(r: dict):
+    """The H100 preset (a dry run plays a large GPU job); this machine's calibration for the tiny model."""
+    from shardprop import CostModel
+    return CostModel.default() if r["model"] == "tiny" else CostModel.preset("h100")
+
+
+def _predicted(cm, key: str, calls: int, nbytes: float) -> str:
+    """``calls`` collectives of ``key`` ("all_gather/8") moving ``nbytes`` of payload in all, by the cost model."""
+    kind, k = key.split("/")[0], int(key.split("/")[1])
+    if kind not in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all") or k < 2 or not calls:
+        return ""
+    per_call = nbytes / calls / (k if kind == "all_gather" else 1)  # an all-gather's payload is its output
+    return f"{calls * cm.collective(kind, k, per_call) * 1e3:.1f} ms"
+
+
 def _print(r: dict, say) -> None:
     from tabulate import tabulate
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
@@ -211,9 +258,11 @@ def _print(r: dict, say) -> None:
             ["activations, no AC", _gb(r["activations_bytes"]), "", "estimate (activation_bytes)"],
             ["activations, AC per block", _gb(r["activations_ac_bytes"]), "", "estimate"]]
     say(tabulate(rows, headers=["per rank", "bytes", "analytic", "how"]))
-    rows = [[k.split("/")[0], int(k.split("/")[1]) or "p2p", n, _gb(b), "measured"]
+    cm = _cost_model(r)
+    rows = [[k.split("/")[0], int(k.split("/")[1]) or "p2p", n, _gb(b), _predicted(cm, k, n, b), "measured"]
             for k, (n, b) in r["collectives"].items()]
-    rows += [[k, r["mesh"].get("cp"), n, _gb(b), "estimate (ring attention not run)"]
+    rows += [[k, r["mesh"].get("cp"), n, _gb(b), "", "estimate (ring attention not run)"]
              for k, (n, b) in r["cp_ring_estimate"].items()]
-    say(tabulate(rows, headers=["collective", "group size", "calls", "bytes (payload)", "how"]))
+    say(tabulate(rows, headers=["collective", "group size", "calls", "bytes (payload)", "time (cost model)", "how"]))
+    say(f"(times: shardprop's autoplan cost model, {cm.source})")
     say(f"setup {r['setup_s']:.1f} s, one step {r['step_s']:.1f} s")

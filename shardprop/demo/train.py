@@ -11,6 +11,8 @@
     python -m shardprop.demo --fsdp --ac selective                     # tp + fully_shard + selective AC
     python -m shardprop.demo --fsdp --mesh 4 --lora --ac full          # torchtune's distributed LoRA recipe
     python -m shardprop.demo --dry-run --model llama3-70b --mesh 16x4x8  # one rank of 512, fake backend, meta
+    python -m shardprop.demo --autoplan                                # shardprop.autoplan chooses mesh and plan
+    python -m shardprop.demo --dry-run --autoplan --model llama3-70b --nproc 512  # planned on paper, then dry-run
 
 Spawns ranks (on 127.0.0.1) unless started by torchrun: on the CPU over gloo, or with
 ``--device cuda`` (the default when torch sees a GPU) on the GPUs: NCCL with one GPU per rank,
@@ -101,15 +103,18 @@ def _fmt_counts(counts) -> str:
 
 
 def build(cfg: LlamaConfig, mesh, seed: int, loss_parallel: bool = False, fsdp: bool = False,
-          ac: Optional[str] = None, lora: int = 0):
+          ac: Optional[str] = None, lora: int = 0, plan=None):
     """The model parallelized over ``mesh["tp"]`` (or a 1-d tp mesh), from the seeded single-process init.
 
     With ``fsdp`` each block, then the whole model, is ``fully_shard``-ed over ``mesh["dp"]``
     (a 1-d mesh is then all dp: no tp). As torchtitan orders them: LoRA adapters (``lora``: their
     rank; the rest frozen), then tensor parallelism, activation checkpointing (``ac``), fully_shard.
+    With ``plan`` (``--autoplan``: a ``shardprop.autoplan`` plan) the plan parallelizes the model instead.
     """
     from shardprop import fully_shard, parallelize_module
     model = Llama(cfg, seed).to(mesh.device_type)
+    if plan is not None:
+        return plan.apply(model, mesh)
     tp_on = not (fsdp and mesh.ndim == 1)
     if lora:
         if tp_on:
@@ -139,7 +144,8 @@ def train(args, mesh, say=print):
     if dp is not None and args.batch % dp.size():
         # Equal slices make the mean of the dp ranks' losses the global batch's loss.
         raise SystemExit(f"--batch {args.batch} does not split evenly over dp={dp.size()}")
-    model = build(cfg, mesh, args.seed, args.loss_parallel, fsdp, getattr(args, "ac", None), getattr(args, "lora", 0))
+    model = build(cfg, mesh, args.seed, args.loss_parallel, fsdp, getattr(args, "ac", None), getattr(args, "lora", 0),
+                  getattr(args, "plan", None))
     opt = make_optimizer(args.optimizer, model.parameters())
     start = resume(args.resume, model, opt, say) if args.resume else 0
     # --compile: the forward and backward run as compiled graphs (collectives inside them).
@@ -224,7 +230,18 @@ def rank_main(args) -> dict:
     """Everything one rank does (the default process group may already exist). Returns a summary."""
     import shardprop
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
-    shape, names = parse_mesh(args.mesh, world)
+    if getattr(args, "autoplan", False):  # the engine chooses the mesh shape and the plan
+        from shardprop import autoplan
+        with torch.device("meta"):
+            meta_model = Llama(config_from(args))
+        tokens, _ = synthetic_batch(config_from(args), args.batch, 0, args.seed)
+        args.plan = autoplan(meta_model, world, (tokens,))
+        if dist.get_rank() == 0:
+            print(args.plan)
+        shape, names = args.plan.mesh_shape()
+        args.mesh, args.fsdp = "x".join(map(str, shape)), args.plan.fsdp
+    else:
+        shape, names = parse_mesh(args.mesh, world)
     if getattr(args, "fsdp", False) and len(shape) == 1:
         names = ("dp",)  # --fsdp on a 1-d mesh: fully sharded data parallel only
     device = _device_type(args)
@@ -358,6 +375,9 @@ def parser() -> argparse.ArgumentParser:
                         "per rank; --mesh is then DPxCPxTP (see shardprop.demo.dry_run)")
     p.add_argument("--model", default="llama3-70b", help="with --dry-run: llama3-70b, llama3-8b or tiny")
     p.add_argument("--rank", type=int, default=0, help="with --dry-run: the rank to play (default 0)")
+    p.add_argument("--autoplan", action="store_true",
+                   help="let shardprop.autoplan choose the mesh shape and the plan (prints it); with --dry-run: "
+                        "plan --nproc ranks on paper (H100 preset) and dry-run the chosen plan")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: NCCL with one GPU per rank, or ranks sharing fewer GPUs over gloo (default: cuda if any)")
     return p
@@ -367,9 +387,11 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.dry_run:  # one process, no ranks to spawn: see shardprop.demo.dry_run
         from shardprop.demo.dry_run import dry_run
+        given = argv if argv is not None else sys.argv
         dry_run(args.model, args.mesh or "16x4x8", rank=args.rank,
-                seq=args.seq if "--seq" in (argv if argv is not None else sys.argv) else None,
-                batch=args.batch if "--batch" in (argv if argv is not None else sys.argv) else None)
+                seq=args.seq if "--seq" in given else None,
+                batch=args.batch if "--batch" in given else None,
+                autoplan_world=(args.nproc or 64) if args.autoplan else None)
         return
     from shardprop.demo.devices import plan, visible_gpus
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -389,7 +411,7 @@ def main(argv=None) -> None:
                 dist.destroy_process_group()
         return
     nproc = chosen.nproc
-    if not args.tour and not args.cp:
+    if not args.tour and not args.cp and not args.autoplan:
         parse_mesh(args.mesh, nproc)  # a bad --mesh fails here, not in every spawned rank
     import torch.multiprocessing as mp
     mp.spawn(_worker, args=(nproc, _free_port(), args), nprocs=nproc)
