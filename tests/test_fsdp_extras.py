@@ -203,3 +203,26 @@ def test_cpu_offload_on_cuda_keeps_shards_on_the_host():
     # needs one CUDA device per rank and NCCL: skipped on this CPU-only machine
     for params, grads, pinned in run_on_ranks(2, _offload_cuda):
         assert params == {"cpu"} and grads == {"cpu"} and pinned
+
+
+def _plain_beside_sequence_parallel():
+    """One unit holding a sequence-parallel norm (a DTensor weight) and plain Linears fed DTensors: the plain
+    weights' gradients come back as DTensors on the tp mesh (partial there); the unit reduces their value."""
+    import copy
+    import shardprop as P
+    torch.manual_seed(0)
+    mesh = P.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref = torch.nn.Sequential(torch.nn.RMSNorm(8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    block = copy.deepcopy(ref)
+    P.parallelize_module(block, mesh["tp"], {"0": P.SequenceParallel()})
+    P.fully_shard(block, mesh=mesh["dp"])
+    xs = torch.randn(2, 2, 4, 8)
+    x = P.distribute_tensor(xs[mesh.get_local_rank("dp")], mesh["tp"], [P.Shard(1)])
+    block(x).full_tensor().sum().backward()
+    ref(xs.flatten(0, 1)).sum().backward()  # both dp batches; fully_shard averages over dp
+    return [n for (n, p), (_, r) in zip(block.named_parameters(), ref.named_parameters())
+            if not torch.allclose(p.grad.full_tensor(), r.grad / 2, atol=1e-5)]
+
+
+def test_plain_parameters_beside_sequence_parallel_ones_in_one_unit():
+    assert run_on_ranks(4, _plain_beside_sequence_parallel) == [[]] * 4

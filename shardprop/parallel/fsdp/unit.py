@@ -385,7 +385,11 @@ class FSDPUnit:
         g = s.full_param.grad
         if g is None:
             return None
-        if isinstance(g, DTensor):  # 2-D: the tp-local gradient laid out like the parameter on tp
+        if isinstance(g, DTensor) and s.tp_spec is None:
+            # A plain parameter that met DTensor inputs (taken as replicated): its gradient comes back a
+            # DTensor on their mesh, possibly partial; the unit reduces its whole value.
+            g = wait_all(g.full_tensor())
+        elif isinstance(g, DTensor):  # 2-D: the tp-local gradient laid out like the parameter on tp
             want = tuple(g._spec.placements[i] if i in s.keep_dims else pl
                          for i, pl in enumerate(s.tp_spec.placements))
             if tuple(g._spec.placements) != want:
