@@ -170,7 +170,7 @@ def _managed_params(roots: List[nn.Module], ignored: Set[int]):
     return out
 
 
-def _chosen(fn, p, dp_mesh=None):
+def _chosen(fn, p):
     """What ``shard_placement_fn`` returns for ``p``, torch's placements taken as ours (None: the default).
 
     Of a ``ShardPlacementResult`` the placement (its mesh info chose the unit member, :func:`_shard_groups`).
@@ -212,9 +212,9 @@ def _shard_groups(params, fn, mesh, dim, plan, device_type: str):
     return [(meshes, g_plan, ps) for meshes, (g_plan, ps) in ordered] or [(default, plan, [])]
 
 
-def _placement_dim(fn, fqn: str, p, D: int, dp_mesh=None, local=None) -> int:
+def _placement_dim(fn, fqn: str, p, D: int, local=None) -> int:
     """The dim ``shard_placement_fn`` picks for a plain parameter (0 when it returns None)."""
-    pl = _chosen(fn, p, dp_mesh)
+    pl = _chosen(fn, p)
     p = p if local is None else local
     if pl is None:
         return 0
@@ -296,14 +296,14 @@ def _splits_tp_dim(fn, p: DTensor, tp_pl) -> bool:
     return (pl.dim + p.ndim if pl.dim < 0 else pl.dim) == tp_pl.dim
 
 
-def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int, dp_mesh=None) -> None:
+def _check_fixed_dim(fn, fqn: str, p: DTensor, sdim: int) -> None:
     """``shard_placement_fn`` on a DTensor parameter may only name the dim dp splits anyway.
 
     Why: torchtitan passes ``lambda p: Shard(1)`` for experts already ``Shard(0)`` over ep; that
     is exactly the layout chosen here, so it is accepted. The dim tp splits is taken too
     (:func:`_splits_tp_dim`, a strided shard); any other dim is refused.
     """
-    pl = _chosen(fn, p, dp_mesh)
+    pl = _chosen(fn, p)
     if pl is None:
         return
     d = pl.dim + p.ndim if type(pl) is Shard and pl.dim < 0 else getattr(pl, "dim", None)
@@ -345,7 +345,7 @@ def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
             sdim = tp_pl.dim
             dp_pl = _StridedShard(sdim, split_factor=parent.size(1 - dp_at))
         else:
-            _check_fixed_dim(fn, fqn, p, sdim, dp_mesh)
+            _check_fixed_dim(fn, fqn, p, sdim)
             dp_pl = Shard(sdim) if sdim != REPLICATED else Replicate()
         if (sdim > 0 or strided) and local.shape[sdim] % D:
             raise NotImplementedError(f"fully_shard: parameter {fqn!r}: its tp-local dim {sdim} "
@@ -359,7 +359,7 @@ def _layout(fqn: str, p, fn, dp_mesh, spec_mesh, rep_mesh, plan):
         local, full_spec, keep = p._local_tensor.detach(), p._spec, plan.dp_dims
     else:
         local = p.detach()
-    sdim = _placement_dim(fn, fqn, p, D, dp_mesh, local)
+    sdim = _placement_dim(fn, fqn, p, D, local)
     placements = [Shard(sdim)] if rep_mesh is None else [Replicate(), Shard(sdim)]
     return local, sdim, make_spec(spec_mesh, placements, p.shape, dtype=p.dtype), full_spec, keep, None
 
