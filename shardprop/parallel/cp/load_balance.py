@@ -81,13 +81,13 @@ class HeadTailLoadBalancer(LoadBalancer):
 class PerDocumentHeadTailLoadBalancer(LoadBalancer):
     """Head-tail inside every document: ``seq_length_per_doc[b]`` lists sample ``b``'s document lengths.
 
-    Each document's length must divide by ``2n``. The order is torch's: document after
-    document, each document's chunks (head 0, tail 0, head 1, tail 1, ...); the equal pieces
-    cut from it then follow document boundaries only when there is one document.
+    Each document's length must divide by ``2n``. The order is torch 2.15's: rank by rank, each
+    rank's head and tail chunk of every document in turn, so the ``r``-th equal piece of the
+    sequence is exactly rank ``r``'s chunks (torch 2.13 ordered document by document).
 
     Example:
         >>> PerDocumentHeadTailLoadBalancer([[4, 4]], 2, "cpu")._generate_indices()
-        tensor([[0, 3, 1, 2, 4, 7, 5, 6]])
+        tensor([[0, 3, 4, 7, 1, 2, 5, 6]])
     """
 
     def __init__(self, seq_length_per_doc: List[List[int]], world_size: int, device: Union[str, torch.device]):
@@ -95,7 +95,9 @@ class PerDocumentHeadTailLoadBalancer(LoadBalancer):
 
     def _one(self, lengths: Sequence[int]) -> torch.Tensor:
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        return torch.cat(_head_tail(list(zip(starts, lengths)), self.world_size, self.device))
+        n = self.world_size
+        per_doc = _head_tail(list(zip(starts, lengths)), n, self.device)  # per document: head 0, tail 0, head 1, ...
+        return torch.cat([per_doc[2 * (d * n + r) + k] for r in range(n) for d in range(len(lengths)) for k in (0, 1)])
 
     def _generate_indices(self, restore: bool = False) -> torch.Tensor:
         order = torch.stack([self._one(lengths) for lengths in self.seq_length_per_doc])
