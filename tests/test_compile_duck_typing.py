@@ -143,7 +143,7 @@ class _PlacementReader(torch.nn.Module):
         p = y.placements
         answers = [isinstance(p[0], P.Shard), isinstance(p[0], P.Replicate), p[0] == P.Shard(1), p[0] != P.Shard(0),
                    p == (P.Shard(1),), p[0].is_shard(), p[0].is_shard(1), p[0].is_replicate(), p[0].is_partial(),
-                   p[0].dim, len(p), hash(p[0]) == hash(P.Shard(1))]
+                   p[0].dim, len(p)]  # not hash(): 2.11's dynamo cannot trace hash() of any opaque value (torch's too)
         if isinstance(p[0], P.Shard) and p[0].dim == 1:
             y = y.redistribute(self.mesh, [P.Replicate()])
         return y.to_local() * 2, answers, [q == P.Replicate() for q in y.placements]
