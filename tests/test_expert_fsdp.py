@@ -141,11 +141,13 @@ def test_experts_fully_sharded_over_efsdp_train_like_one_process(ac, placement, 
         assert [str(p) for p in pl] == ["S(0)"] and shape == (4, 16), layouts["head.weight"]
 
 
-@pytest.mark.parametrize("one_call", ["experts-dim0", "experts-dim1"])
-def test_one_fully_shard_with_a_mesh_per_parameter_trains_like_one_process(one_call):
+@pytest.mark.parametrize("one_call,ac", [("experts-dim0", False), ("experts-dim1", False), ("experts-dim0", True)],
+                         ids=["dim0", "dim1", "dim0-checkpointed"])
+def test_one_fully_shard_with_a_mesh_per_parameter_trains_like_one_process(one_call, ac):
     """torchtitan's EP layout in one call per block: ShardPlacementResult puts the experts in a member unit
-    over efsdp (dim 0 on top of ep's dim 0 is torch's strided shard), the rest over the whole dp mesh."""
-    for losses, ref_losses, errors, layouts, me in run_on_ranks(4, _train, False, None, False, one_call, timeout=60):
+    over efsdp (dim 0 on top of ep's dim 0 is torch's strided shard), the rest over the whole dp mesh; also
+    with each block checkpointed (the recomputation re-gathers both members)."""
+    for losses, ref_losses, errors, layouts, me in run_on_ranks(4, _train, ac, None, False, one_call, timeout=60):
         assert not errors, "\n".join(errors)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=ATOL, rtol=ATOL)
         pl, shape = layouts["layers.0.experts.w1"]
