@@ -9,7 +9,11 @@ a ladder of message sizes (median of several
 runs). A least-squares fit of ``time = alpha + moved_bytes / bandwidth`` per (kind, group size)
 gives the model's links. Matmul flops and elementwise bandwidth are timed with every rank busy at
 once (the ranks share the cores in training too); the per-op overhead is an eager ``add`` on a
-small tensor. The result is saved as JSON (:func:`shardprop.planner.costs.default_path`) and
+small tensor. Last, the ranks train a small transformer (the demo Llama, 2 blocks) on every dp x tp
+shape of the world with autoplan's plan for it: what the measured steps take beyond the model's
+prediction, per collective the plan issues, is the in-step latency of a group size (the wait for
+late peers, which lock-step micro-benchmarks miss), fitted by non-negative least squares over
+the shapes. The result is saved as JSON (:func:`shardprop.planner.costs.default_path`) and
 read by ``autoplan`` and the dry run's collective table.
 
     >>> cm = calibrate(sizes=(2, 4))  # doctest: +SKIP
@@ -101,57 +105,103 @@ def _rank_main(rank: int, world: int, port: int, backend: str, reps: int, q) -> 
         from shardprop.tensor.placement import Shard
         d = distribute_tensor(torch.ones(8 * world, device=dev), mesh, [Shard(0)])
         out["dtensor_overhead"] = _time(lambda: [d.mul_(1.0) for _ in range(200)], reps) / 200
-        # A reference training step (one process per rank, all busy, no communication): its time against
-        # what the rates above predict gives the compute scale.
         dist.barrier()
-        model, x = _reference(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-
-        def step():
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-        out["reference_step"] = _time(step, reps)
-        dist.barrier()
+        # The wait for late peers inside training steps: rank 0 fits the model so far, every rank plans and
+        # times the probe transformer on each mesh shape with it.
+        state = [_model(out, backend) .to_json() if rank == 0 else None]
+        dist.broadcast_object_list(state, src=0)
+        out["probes"] = _probes(CostModel.from_json(state[0]), world, dev, sync)
         if rank == 0:
             q.put(out)
     finally:
         dist.destroy_process_group()
 
 
-def _reference(dev: str):
-    """A small transformer-like MLP stack and its input: what the compute scale is measured on."""
+def _probes(cm: CostModel, world: int, dev: str, sync, steps: int = 8) -> list:
+    """Train the probe transformer on every dp x tp shape of ``world`` with autoplan's plan for it.
+
+    Returns ``(shape, measured s, predicted s without step latency, {group size: collectives per step})`` per
+    shape; the counts are the prediction's derivative in each group size's latency.
+    """
     import torch
-    import torch.nn as nn
+    import torch.distributed as dist
 
-    class Block(nn.Module):
-        def __init__(self, d: int):
-            super().__init__()
-            self.norm = nn.RMSNorm(d)
-            self.up = nn.Linear(d, 3 * d, bias=False)
-            self.down = nn.Linear(3 * d, d, bias=False)
+    from shardprop.demo.model import Llama, lm_loss, synthetic_batch
+    from shardprop.mesh import init_device_mesh
+    from shardprop.planner.search import autoplan
+    from shardprop.planner.solve import Shape
 
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+    cfg = _probe_config()
+    tokens = synthetic_batch(cfg, 8, 0)[0]
+    shapes = [Shape(dp=world // t, tp=t) for t in (1, 2, world) if world % t == 0 and t <= world and 8 % (world // t) == 0]
+    shapes = list(dict.fromkeys(shapes))
+    sizes = sorted({g for s in shapes for g in (s.dp, s.tp) if g > 1})
+    runs = []
+    for shape in shapes:
+        sp = True if shape.tp > 1 else None
+        plan = autoplan(Llama(cfg, seed=0), world, (tokens,), shapes=[shape], sequence_parallel=sp, cost_model=cm)
+        # What the prediction is made of: compute (its derivative in the compute scale) and collectives per group size.
+        scaled = autoplan(Llama(cfg, seed=0), world, (tokens,), shapes=[shape], sequence_parallel=sp,
+                          cost_model=dataclasses.replace(cm, compute_scale=cm.compute_scale * 1.01))
+        counts = {"compute": (scaled.predicted_step_time - plan.predicted_step_time) / 0.01}
+        for g in sizes:
+            bumped = dataclasses.replace(cm, step_latency=((g, 1e-4),) + tuple((h, 0.0) for h in sizes if h != g))
+            again = autoplan(Llama(cfg, seed=0), world, (tokens,), shapes=[shape], sequence_parallel=sp,
+                             cost_model=bumped)
+            counts[g] = round((again.predicted_step_time - plan.predicted_step_time) / 1e-4, 1)
+        dims = [(n, v) for n, v in (("dp", shape.dp), ("tp", shape.tp)) if v > 1]
+        mesh = init_device_mesh(dev, tuple(v for _, v in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        model = plan.apply(Llama(cfg, seed=0).to(dev), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        runs.append((shape, plan, counts, model, opt))
+    times = {i: [] for i in range(len(runs))}
+    for r in range(steps + 1):  # interleaved, the first round warms up
+        for i, (shape, plan, counts, model, opt) in enumerate(runs):
+            x, y = (plan.local_batch(t).to(dev) for t in synthetic_batch(cfg, 8, r))
+            dist.barrier()
+            t0 = time.perf_counter()
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            took = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+            if r:
+                times[i].append(took.item())
+    return [((s.dp, s.tp), statistics.median(times[i]), plan.predicted_step_time, counts)
+            for i, (s, plan, counts, _, _) in enumerate(runs)]
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[Block(256) for _ in range(4)]).to(dev)
-    return model, torch.randn(4, 128, 256, device=dev)
+
+def _probe_config():
+    """The probe transformer: the demo Llama at the size of a small test model (2 blocks, 8 heads, 128 tokens)."""
+    from shardprop.demo.model import LlamaConfig
+
+    return LlamaConfig(dim=256, n_layers=2, n_heads=8, vocab_size=512, seq_len=128)
 
 
-def _compute_scale(cm: CostModel, measured: float) -> float:
-    """Measured reference step over its prediction by ``cm`` (compute only; the per-op overheads are kept)."""
-    from shardprop.planner.costs import node_cost
-    from shardprop.planner.trace import trace_model
+def _fit_probes(probes) -> tuple:
+    """(compute scale, step latency) from the probes, by non-negative least squares of
 
-    model, x = _reference("cpu")
-    g = trace_model(model, (x,))
-    g_ops = sum((g.repeats if n.in_block else 1) for n in g.nodes if n.kind == "op")
-    compute = sum((g.repeats if n.in_block else 1) * node_cost(n, g, cm) for n in g.nodes)
-    n_params = sum(1 for _ in model.parameters())
-    overhead = 3 * g_ops * cm.op_overhead + 12 * n_params * cm.op_overhead
-    return min(max((measured - overhead) / max(compute, 1e-9), 0.5), 20.0)
+    ``measured = scale x compute + (predicted - compute) + sum over group sizes of collectives x latency``:
+    the shapes' common level gives the scale, their differences in collectives the latencies.
+    """
+    import numpy as np
+    from scipy.optimize import nnls
+
+    sizes = sorted({g for _, _, _, counts in probes for g in counts if g != "compute"})
+    A = np.array([[counts["compute"]] + [counts.get(g, 0.0) for g in sizes] for _, _, _, counts in probes])
+    b = np.array([measured - predicted + counts["compute"] for _, measured, predicted, counts in probes])
+    x, _ = nnls(A, b)
+    return float(min(max(x[0], 0.25), 20.0)), tuple((g, float(v)) for g, v in zip(sizes, x[1:]))
+
+
+def _model(res: dict, backend: str) -> CostModel:
+    """The cost model of one world's measurements (links fitted; compute scale and step latency from the probes)."""
+    links = tuple((kind, g, *_fit(pts)) for (kind, g), pts in res["links"].items())
+    cm = CostModel(links, res["matmul_flops"], res["elementwise_bytes"], res["op_overhead"],
+                   f"measured on {socket.gethostname()} ({backend}, {time.strftime('%Y-%m-%d')})", backend,
+                   res["dtensor_overhead"])
+    return cm
 
 
 def _fit(points) -> tuple:
@@ -163,6 +213,24 @@ def _fit(points) -> tuple:
     slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 1e-13)
     alpha = max(my - slope * mx, 0.0)
     return alpha, 1.0 / slope
+
+
+def _result(q, procs, timeout: float = 900.0) -> dict:
+    """Rank 0's result; a RuntimeError as soon as any rank died (the others are then killed, not waited on)."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"calibrate: rank {dead[0]} failed (exit code {procs[dead[0]].exitcode}); "
+                                   "its error is printed above") from None
+    raise TimeoutError(f"calibrate: no result after {timeout:g} s")
 
 
 def _free_port() -> int:
@@ -186,7 +254,7 @@ def calibrate(sizes: Sequence[int] = (4,), *, backend: str = "gloo", reps: int =
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    links, rates = [], []
+    links, probes, cm = {}, [], None
     for world in sizes:
         q = ctx.Queue()
         port = _free_port()
@@ -194,19 +262,17 @@ def calibrate(sizes: Sequence[int] = (4,), *, backend: str = "gloo", reps: int =
         for p in procs:
             p.start()
         try:
-            res = q.get(timeout=600)
+            res = _result(q, procs)
         finally:
             for p in procs:
                 p.join(timeout=60)
-        for (kind, g), pts in res["links"].items():
-            alpha, bw = _fit(pts)
-            links = [l for l in links if (l[0], l[1]) != (kind, g)] + [(kind, g, alpha, bw)]
-        rates.append(res)
-    best = rates[-1]  # compute rates with the most ranks busy: what training on this machine sees
-    cm = CostModel(tuple(links), best["matmul_flops"], best["elementwise_bytes"], best["op_overhead"],
-                   f"measured on {socket.gethostname()} ({backend}, {time.strftime('%Y-%m-%d')})", backend,
-                   best["dtensor_overhead"])
-    cm = dataclasses.replace(cm, compute_scale=_compute_scale(cm, best["reference_step"]))
+                if p.is_alive():
+                    p.kill()
+        cm = _model(res, backend)  # compute rates of the last (largest) world: what training here sees
+        links.update({(c, k): (c, k, a, b) for c, k, a, b in cm.links})
+        probes += res["probes"]
+    scale, latency = _fit_probes(probes)
+    cm = dataclasses.replace(cm, links=tuple(links.values()), compute_scale=scale, step_latency=latency)
     if save:
         path = path or default_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)

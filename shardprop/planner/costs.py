@@ -2,7 +2,8 @@
 
 A collective of kind ``c`` over ``k`` ranks that moves ``m`` bytes per rank takes
 ``alpha(c, k) + m / bandwidth(c, k)`` (the alpha-beta model, fitted by :mod:`.calibrate` from
-measured times). Bytes moved per rank are the ring algorithms' (all-gather of a shard ``s``:
+measured times), plus, inside a training step, ``step_latency(k)``: the wait for late peers, which
+lock-step micro-benchmarks do not see (fitted from timed training steps). Bytes moved per rank are the ring algorithms' (all-gather of a shard ``s``:
 ``s (k-1)``; reduce-scatter of ``b``: ``b (k-1)/k``; all-reduce: twice that; all-to-all:
 ``b (k-1)/k``). A matmul of ``f`` flops takes ``f / flops``; any other op reads and writes its
 bytes at ``elementwise`` bytes/s; every eager op costs ``op_overhead`` seconds more.
@@ -68,6 +69,16 @@ class CostModel:
     # Measured / predicted compute of a reference training step (calibrate): what flops and bytes miss
     # (kernel efficiency at training's shapes, allocator, autograd bookkeeping).
     compute_scale: float = 1.0
+    # Extra seconds each blocking collective over k ranks costs inside a training step, as ((k, s), ...): the
+    # wait for peers that arrive late (on an oversubscribed CPU, a descheduled peer). Micro-benchmarks run the
+    # ranks in lock step and miss it; calibrate() fits it from timed training steps of three mesh shapes.
+    step_latency: Tuple[Tuple[int, float], ...] = ()
+
+    def _skew(self, k: int) -> float:
+        if k <= 1 or not self.step_latency:
+            return 0.0
+        table = dict(self.step_latency)
+        return table.get(k, table[min(table, key=lambda n: abs(math.log(n / k)))])
 
     def _link(self, kind: str, k: int) -> Tuple[float, float]:
         table = {(c, n): (a, b) for c, n, a, b in self.links}
@@ -85,7 +96,7 @@ class CostModel:
         if k <= 1 or nbytes <= 0:
             return 0.0
         a, b = self._link(kind, k)
-        return a + moved_bytes(kind, k, nbytes) / b
+        return a + self._skew(k) + moved_bytes(kind, k, nbytes) / b
 
     def bandwidth_time(self, kind: str, k: int, nbytes: float) -> float:
         """The size-proportional part of :meth:`collective` (what batching many tensors into one call keeps)."""
@@ -94,7 +105,7 @@ class CostModel:
         return moved_bytes(kind, k, nbytes) / self._link(kind, k)[1]
 
     def latency(self, kind: str, k: int) -> float:
-        return 0.0 if k <= 1 else self._link(kind, k)[0]
+        return 0.0 if k <= 1 else self._link(kind, k)[0] + self._skew(k)
 
     def matmul(self, flops: float) -> float:
         return self.compute_scale * flops / self.matmul_flops
@@ -106,13 +117,13 @@ class CostModel:
         return {"links": [list(x) for x in self.links], "matmul_flops": self.matmul_flops,
                 "elementwise_bytes": self.elementwise_bytes, "op_overhead": self.op_overhead,
                 "source": self.source, "backend": self.backend, "dtensor_overhead": self.dtensor_overhead,
-                "compute_scale": self.compute_scale}
+                "compute_scale": self.compute_scale, "step_latency": [list(x) for x in self.step_latency]}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
         return cls(tuple(tuple(x) for x in d["links"]), d["matmul_flops"], d["elementwise_bytes"],
                    d["op_overhead"], d.get("source", "file"), d.get("backend", "gloo"), d.get("dtensor_overhead", 6e-5),
-                   d.get("compute_scale", 1.0))
+                   d.get("compute_scale", 1.0), tuple((int(k), s) for k, s in d.get("step_latency", ())))
 
     @classmethod
     def load(cls, path: Optional[str] = None) -> Optional["CostModel"]:
@@ -211,7 +222,7 @@ def _bytes(meta) -> float:
 def node_cost(node, graph, cm: CostModel) -> float:
     """Forward + backward seconds of a traced node on one process (unsharded, whole batch).
 
-    Matmuls (and attention) by their flops, anything else by the bytes it reads and writes;
+    Matmuls (grouped ones and attention too) by their flops, anything else by the bytes it reads and writes;
     backward is taken as twice the forward.
     """
     if node.kind != "op" or is_view(node):
@@ -221,6 +232,8 @@ def node_cost(node, graph, cm: CostModel) -> float:
     if name in _MATMUL and len(metas) >= 2:
         a, b = metas[-2], metas[-1]
         return 3 * cm.matmul(2 * math.prod(a.shape) * b.shape[-1])
+    if name == "aten._grouped_mm.default" and len(metas) >= 2:  # MoE experts: each row of a meets one group's [k, n]
+        return 3 * cm.matmul(2 * math.prod(metas[0].shape) * metas[1].shape[-1])
     if "scaled_dot_product" in name and len(metas) >= 3:
         q, k = metas[0], metas[1]
         return 3 * cm.matmul(4 * math.prod(q.shape) * k.shape[-2] / 2)  # causal: half the scores

@@ -115,6 +115,11 @@ def autoplan(model: nn.Module, mesh: Union[int, object, None], example_inputs: t
                           loss_parallel=loss_parallel)
         if sol is not None:
             solved.append(sol)
+    if not solved and memory_per_rank is None:  # nothing fits the options asked for, whatever the memory
+        why = "; ".join(sorted({u.sp_why_not for u in units_by_tp.values() if not u.sp_ok and u.sp_why_not}))
+        raise NoPlanFits(f"autoplan: no plan for {world} ranks with the options asked for "
+                         f"(shapes {', '.join(map(str, candidates))}, sequence_parallel={sequence_parallel})"
+                         + (f": sequence parallelism is not possible: {why}" if sequence_parallel and why else ""))
     if not solved:
         hint = f"; the smallest plan found needs {smallest.memory / 2**30:.2f} GiB ({smallest.shape})" if smallest else ""
         raise NoPlanFits(f"autoplan: no plan for {world} ranks fits {memory_per_rank / 2**30:.2f} GiB per rank{hint}. "

@@ -111,8 +111,7 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None, l
     def params(nbytes: float, unit_w: int) -> Tuple[float, float]:
         """(dp comm s, memory) of parameters of ``nbytes`` already over tp, in ``unit_w`` units."""
         mem = ADAMW_FACTOR * nbytes / dp + (2 * nbytes / max(unit_w, 1) if dp > 1 else 0.0)
-        comm = 2 * cm.bandwidth_time("all_gather", dp, nbytes / dp) + cm.bandwidth_time("reduce_scatter", dp, nbytes)
-        return (comm if dp > 1 else 0.0), mem
+        return fsdp_time(cm, dp, nbytes), mem
 
     out: Dict[str, Dict] = {}
     for r in u.regions:
@@ -137,12 +136,16 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None, l
     for b in bounds:
         sp = b == "sequence-parallel"
         comp = u.block_rest_compute / a / (k if sp else 1)
-        comm = cm.collective("all_reduce", k, u.block_norm_bytes) if sp else 0.0
+        # Under sequence parallelism each norm's weight gradient is partial over tp: one all-reduce per norm.
+        norms = max(len(u.block_norms), 1)
+        comm = norms * cm.collective("all_reduce", k, u.block_norm_bytes / norms) if sp else 0.0
         dpc, mem = params(u.block_norm_bytes, n)
         mem += u.block_rest_act / a / (k if sp else 1)
         # The root's other ops (the final norm) follow the boundary too.
         comp += u.root_compute / a / (k if sp else 1)
         dpc2, mem2 = params(u.root_rest_param_bytes, 1)
+        if sp and u.final_norm:
+            dpc2 += cm.collective("all_reduce", k, u.root_rest_param_bytes)
         opts[(b, b)] = (n * comp, n * (comm + dpc) + dpc2, n * mem + mem2)
     if shape.cp > 1:  # ring attention: each block passes its k/v shard cp - 1 times forward, k/v and grads twice back
         for b in bounds:
@@ -287,7 +290,20 @@ def _dp_part(u: Units, shape: Shape, cm: CostModel, col) -> float:
         nbytes = u.embedding.param_bytes / (k if shard else 1)
     else:
         nbytes = u.output.param_bytes / (k if shard else 1)
-    return 2 * cm.bandwidth_time("all_gather", dp, nbytes / dp) + cm.bandwidth_time("reduce_scatter", dp, nbytes)
+    return fsdp_time(cm, dp, nbytes)
+
+
+def fsdp_time(cm: CostModel, dp: int, nbytes: float) -> float:
+    """Size-proportional seconds ``fully_shard`` spends per step on parameters of ``nbytes`` (unsharded) over dp.
+
+    Two all-gathers (forward, and backward's re-gather) and one gradient reduce-scatter, plus the copies
+    around them: each gathered buffer is copied out to the parameters, each gradient packed into the
+    reduce-scatter's buffer (a read and a write of the unsharded bytes each). Latencies are counted per unit.
+    """
+    if dp <= 1:
+        return 0.0
+    copies = 3 * cm.elementwise(2 * nbytes)
+    return 2 * cm.bandwidth_time("all_gather", dp, nbytes / dp) + cm.bandwidth_time("reduce_scatter", dp, nbytes) + copies
 
 
 def _param_memory(u: Units, shape: Shape, on) -> float:
