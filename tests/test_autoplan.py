@@ -21,7 +21,7 @@ def _cfg(**kw):
     return LlamaConfig(**{**CFG, **kw})
 
 
-def _train_with_plan(shape, cfg_kw, force_sp=False, loss_par=False):
+def _train_with_plan(shape, cfg_kw, force_sp=False, loss_par=False, edits=None):
     import dataclasses
 
     import shardprop as sp
@@ -32,8 +32,10 @@ def _train_with_plan(shape, cfg_kw, force_sp=False, loss_par=False):
     tokens, _ = synthetic_batch(cfg, BATCH, 0)
     plan = autoplan(Llama(cfg), dist.get_world_size(), (tokens,), shapes=[Shape(*shape)] if shape else None,
                     sequence_parallel=True if force_sp else None, loss_parallel=loss_par)
-    if loss_par:  # a plan is an editable value: take the loss-parallel output even where it does not pay
-        choices = tuple(dataclasses.replace(c, choice="colwise, loss parallel") if c.unit == "output" else c
+    # A plan is an editable value: take the loss-parallel output (or other choices) even where it does not pay.
+    edits = {**(edits or {}), **({"output": "colwise, loss parallel"} if loss_par else {})}
+    if edits:
+        choices = tuple(dataclasses.replace(c, choice=edits[c.unit]) if c.unit in edits else c
                         for c in plan.solution.choices)
         plan = plan.replace(solution=dataclasses.replace(plan.solution, choices=choices))
     model = plan.apply(Llama(cfg, seed=0))
@@ -69,6 +71,17 @@ def test_applied_plan_trains_like_one_process(shape, force_sp):
         assert sp_on == bool(force_sp) or shape is None
 
 
+def test_sequence_parallel_plan_with_replicated_units_trains_like_one_process():
+    """Under sequence parallelism with dp, a region, the embedding and the output may stay replicated over tp:
+    fully_shard then holds units mixing tp-sharded, tp-replicated DTensor and plain parameters."""
+    from shardprop.demo.model import reference_losses
+
+    want = reference_losses(_cfg(), STEPS, BATCH)
+    edits = {"block.feed_forward": "replicate", "embedding": "replicate", "output": "replicate"}
+    for name, sp_on, got in run_on_ranks(4, _train_with_plan, (2, 2), {}, True, False, edits):
+        assert sp_on and got == pytest.approx(want, abs=2e-4), (name, got, want)
+
+
 def _plan(world=4, **kw):
     from shardprop.planner import autoplan
     from shardprop.demo.model import Llama, synthetic_batch
@@ -93,7 +106,14 @@ def test_tp_plan_is_the_demo_hand_plan_under_sequence_parallelism():
     from shardprop.planner import Shape
     from shardprop.demo.model import tp_plan
 
-    plan = _plan(shapes=[Shape(2, 2)], sequence_parallel=True)
+    import dataclasses
+
+    from shardprop.planner.costs import CPU_DEFAULT
+
+    # Communication all but free: every unit the rules allow to shard is sharded (at this tiny size the default
+    # costs keep some units replicated, which fully_shard over dp then holds beside the sharded ones).
+    fast = dataclasses.replace(CPU_DEFAULT, links=tuple((c, k, a / 1e4, b * 1e4) for c, k, a, b in CPU_DEFAULT.links))
+    plan = _plan(shapes=[Shape(2, 2)], sequence_parallel=True, cost_model=fast)
     got = {k: repr(v) for k, v in plan.tp_plan().items()}
     want = {k: repr(v) for k, v in tp_plan().items()}
     assert got == want
@@ -234,6 +254,84 @@ def test_costs_move_the_choice():
     assert best.shape.dp == 1 and all(c.choice in ("replicate", "off") for c in best.solution.choices), str(best)
 
 
+def test_step_latency_is_paid_per_collective_in_a_step(tmp_path):
+    """The in-step latency adds to each collective of its group size (nearest size otherwise) and survives a save."""
+    import dataclasses
+    import json
+
+    from shardprop import CostModel
+    from shardprop.planner import Shape
+    from shardprop.planner.costs import CPU_DEFAULT
+
+    cm = dataclasses.replace(CPU_DEFAULT, step_latency=((2, 1e-3), (4, 3e-3)))
+    for k, extra in ((2, 1e-3), (4, 3e-3), (8, 3e-3)):
+        assert cm.collective("all_gather", k, 4096.0) == pytest.approx(CPU_DEFAULT.collective("all_gather", k, 4096.0) + extra)
+        assert cm.latency("reduce_scatter", k) == pytest.approx(CPU_DEFAULT.latency("reduce_scatter", k) + extra)
+    assert cm.collective("all_reduce", 1, 4096.0) == 0.0
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cm.to_json()))
+    assert CostModel.load(str(path)) == cm
+    # A plan pays it once per collective: dp 4 has three per fully_shard unit (two gathers, one reduce-scatter;
+    # two blocks and the root), and tp 4 shards fewer regions once its many small collectives cost more.
+    base = {s: _plan(shapes=[s], cost_model=CPU_DEFAULT) for s in (Shape(4, 1), Shape(1, 4))}
+    late = {s: _plan(shapes=[s], cost_model=cm) for s in base}
+    dp4 = Shape(4, 1)
+    assert late[dp4].predicted_step_time - base[dp4].predicted_step_time == pytest.approx(3 * 3 * 3e-3)
+    sharded = lambda p: sum(c.choice == "colwise+rowwise" for c in p.solution.choices)
+    assert sharded(late[Shape(1, 4)]) < sharded(base[Shape(1, 4)]), (str(base[Shape(1, 4)]), str(late[Shape(1, 4)]))
+
+
+def test_probe_fit_recovers_scale_and_latency():
+    """calibrate's fit: probes made from a known compute scale and latencies give them back."""
+    import importlib
+
+    fit = importlib.import_module("shardprop.planner.calibrate")._fit_probes
+    scale, lat = 1.3, {2: 8e-4, 4: 1.5e-3}
+    shapes = [((4, 1), 0.08, {"compute": 0.07, 2: 0.0, 4: 9.0}), ((2, 2), 0.09, {"compute": 0.071, 2: 36.0, 4: 0.0}),
+              ((1, 4), 0.095, {"compute": 0.072, 2: 0.0, 4: 26.0})]
+    probes = [(s, pred - c["compute"] + scale * c["compute"] + sum(c[g] * lat[g] for g in lat), pred, c)
+              for s, pred, c in shapes]
+    got_scale, got_lat = fit(probes)
+    assert got_scale == pytest.approx(scale, rel=1e-6)
+    assert dict(got_lat) == pytest.approx(lat, rel=1e-6)
+
+
+def test_grouped_matmul_is_priced_by_its_flops():
+    """MoE experts (torch._grouped_mm) cost their flops, as a dense matmul of the same rows does."""
+    from shardprop.planner.costs import CPU_DEFAULT, node_cost
+    from shardprop.planner.trace import trace_model
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 64, 128))
+            self.dense = torch.nn.Parameter(torch.randn(64, 128))
+
+        def forward(self, x):
+            offs = torch.tensor([32, 64, 96, 128], dtype=torch.int32, device=x.device)
+            return torch._grouped_mm(x, self.w, offs=offs), x @ self.dense
+
+    g = trace_model(Experts(), (torch.randn(128, 64),))
+    cost = {str(n.op): node_cost(n, g, CPU_DEFAULT) for n in g.nodes if n.kind == "op"}
+    dense = next(v for k, v in cost.items() if "mm" in k and "grouped" not in k)
+    assert cost["aten._grouped_mm.default"] == pytest.approx(dense)
+
+
+def test_forcing_impossible_sequence_parallelism_says_why():
+    from shardprop import NoPlanFits
+    from shardprop.planner import Shape, autoplan
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=16))
+    with pytest.raises(NoPlanFits, match="sequence parallelism is not possible: .*keyword"):
+        autoplan(model, 4, (torch.zeros(8, 16, dtype=torch.long),), shapes=[Shape(2, 2)], sequence_parallel=True)
+
+
 @pytest.mark.release
 def test_calibrate_measures_and_saves(tmp_path):
     from shardprop import CostModel, calibrate
@@ -243,6 +341,9 @@ def test_calibrate_measures_and_saves(tmp_path):
     assert CostModel.load(path) == cm and cm.source.startswith("measured")
     assert {c for c, k, a, b in cm.links} == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
     assert all(b > 0 and a >= 0 for c, k, a, b in cm.links) and cm.matmul_flops > 0
+    # The probes trained on both shapes of 2 ranks: a compute scale and the in-step latency of a group of 2.
+    assert 0.25 <= cm.compute_scale <= 20 and [k for k, _ in cm.step_latency] == [2]
+    assert all(s >= 0 for _, s in cm.step_latency)
 
 
 def test_dry_run_runs_the_chosen_plan():

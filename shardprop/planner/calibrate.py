@@ -9,7 +9,7 @@ a ladder of message sizes (median of several
 runs). A least-squares fit of ``time = alpha + moved_bytes / bandwidth`` per (kind, group size)
 gives the model's links. Matmul flops and elementwise bandwidth are timed with every rank busy at
 once (the ranks share the cores in training too); the per-op overhead is an eager ``add`` on a
-small tensor. Last, the ranks train a small transformer (the demo Llama, 2 blocks) on every dp x tp
+small tensor. Last, the ranks train a small transformer (:mod:`.probe`, 2 blocks) on every dp x tp
 shape of the world with autoplan's plan for it: what the measured steps take beyond the model's
 prediction, per collective the plan issues, is the in-step latency of a group size (the wait for
 late peers, which lock-step micro-benchmarks miss), fitted by non-negative least squares over
@@ -120,47 +120,48 @@ def _rank_main(rank: int, world: int, port: int, backend: str, reps: int, q) -> 
 def _probes(cm: CostModel, world: int, dev: str, sync, steps: int = 8) -> list:
     """Train the probe transformer on every dp x tp shape of ``world`` with autoplan's plan for it.
 
-    Returns ``(shape, measured s, predicted s without step latency, {group size: collectives per step})`` per
-    shape; the counts are the prediction's derivative in each group size's latency.
+    Returns ``(shape, measured s, predicted s, {"compute": s, group size: collectives per step})`` per shape,
+    predicted without step latency; the parts are the prediction's derivatives in the compute scale and in
+    each group size's latency.
     """
     import torch
     import torch.distributed as dist
 
-    from shardprop.demo.model import Llama, lm_loss, synthetic_batch
     from shardprop.mesh import init_device_mesh
+    from shardprop.planner.probe import probe_batch, probe_loss, probe_model
     from shardprop.planner.search import autoplan
     from shardprop.planner.solve import Shape
 
-    cfg = _probe_config()
-    tokens = synthetic_batch(cfg, 8, 0)[0]
-    shapes = [Shape(dp=world // t, tp=t) for t in (1, 2, world) if world % t == 0 and t <= world and 8 % (world // t) == 0]
-    shapes = list(dict.fromkeys(shapes))
+    batch = 8
+    tokens = probe_batch(batch, 0)[0]
+    shapes = list(dict.fromkeys(Shape(dp=world // t, tp=t) for t in (1, 2, world) if world % t == 0
+                                and batch % (world // t) == 0))
     sizes = sorted({g for s in shapes for g in (s.dp, s.tp) if g > 1})
     runs = []
     for shape in shapes:
-        sp = True if shape.tp > 1 else None
-        plan = autoplan(Llama(cfg, seed=0), world, (tokens,), shapes=[shape], sequence_parallel=sp, cost_model=cm)
-        # What the prediction is made of: compute (its derivative in the compute scale) and collectives per group size.
-        scaled = autoplan(Llama(cfg, seed=0), world, (tokens,), shapes=[shape], sequence_parallel=sp,
-                          cost_model=dataclasses.replace(cm, compute_scale=cm.compute_scale * 1.01))
-        counts = {"compute": (scaled.predicted_step_time - plan.predicted_step_time) / 0.01}
+        def plan_with(model: CostModel):
+            return autoplan(probe_model(), world, (tokens,), shapes=[shape], cost_model=model,
+                            sequence_parallel=True if shape.tp > 1 else None)
+
+        plan = plan_with(cm)
+        base = plan.predicted_step_time
+        parts = {"compute": (plan_with(dataclasses.replace(cm, compute_scale=cm.compute_scale * 1.01)).predicted_step_time
+                             - base) / 0.01}
         for g in sizes:
-            bumped = dataclasses.replace(cm, step_latency=((g, 1e-4),) + tuple((h, 0.0) for h in sizes if h != g))
-            again = autoplan(Llama(cfg, seed=0), world, (tokens,), shapes=[shape], sequence_parallel=sp,
-                             cost_model=bumped)
-            counts[g] = round((again.predicted_step_time - plan.predicted_step_time) / 1e-4, 1)
+            bumped = dataclasses.replace(cm, step_latency=tuple((h, 1e-4 if h == g else 0.0) for h in sizes))
+            parts[g] = round((plan_with(bumped).predicted_step_time - base) / 1e-4, 1)
         dims = [(n, v) for n, v in (("dp", shape.dp), ("tp", shape.tp)) if v > 1]
         mesh = init_device_mesh(dev, tuple(v for _, v in dims), mesh_dim_names=tuple(n for n, _ in dims))
-        model = plan.apply(Llama(cfg, seed=0).to(dev), mesh)
+        model = plan.apply(probe_model().to(dev), mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        runs.append((shape, plan, counts, model, opt))
+        runs.append((shape, plan, parts, model, opt))
     times = {i: [] for i in range(len(runs))}
     for r in range(steps + 1):  # interleaved, the first round warms up
-        for i, (shape, plan, counts, model, opt) in enumerate(runs):
-            x, y = (plan.local_batch(t).to(dev) for t in synthetic_batch(cfg, 8, r))
+        for i, (shape, plan, parts, model, opt) in enumerate(runs):
+            x, y = (plan.local_batch(t).to(dev) for t in probe_batch(batch, r))
             dist.barrier()
             t0 = time.perf_counter()
-            lm_loss(model(x), y).backward()
+            probe_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             sync()
@@ -168,15 +169,8 @@ def _probes(cm: CostModel, world: int, dev: str, sync, steps: int = 8) -> list:
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
             if r:
                 times[i].append(took.item())
-    return [((s.dp, s.tp), statistics.median(times[i]), plan.predicted_step_time, counts)
-            for i, (s, plan, counts, _, _) in enumerate(runs)]
-
-
-def _probe_config():
-    """The probe transformer: the demo Llama at the size of a small test model (2 blocks, 8 heads, 128 tokens)."""
-    from shardprop.demo.model import LlamaConfig
-
-    return LlamaConfig(dim=256, n_layers=2, n_heads=8, vocab_size=512, seq_len=128)
+    return [((s.dp, s.tp), statistics.median(times[i]), plan.predicted_step_time, parts)
+            for i, (s, plan, parts, _, _) in enumerate(runs)]
 
 
 def _fit_probes(probes) -> tuple:

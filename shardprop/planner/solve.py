@@ -102,9 +102,6 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None, l
     dp = a  # fully_shard spans dp x cp (torchtitan's dp_shard_cp)
     n = u.repeats
     bounds = (["replicate"] if sp is not True else []) + (["sequence-parallel"] if u.sp_ok and k > 1 and sp is not False else [])
-    # fully_shard units mixing sequence-parallel norms (replicated over tp) with plain parameters are not
-    # supported by our FSDP: under sequence parallelism with dp, every unit that can be sharded is.
-    mixed_ok = lambda b: not (b == "sequence-parallel" and dp > 1)
     lay = {"replicate": R, "sequence-parallel": S1}
     tt = lambda s, d, nbytes: transition_time(s, d, nbytes / a, k, cm)
 
@@ -119,7 +116,7 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None, l
         pbytes = sum(l.param_bytes for l in r.entries + ((r.exit,) if r.exit else ()))
         for b in bounds:
             L = lay[b]
-            for c in (["colwise+rowwise"] if r.shardable and k > 1 else []) + (["replicate"] if mixed_ok(b) or not r.shardable else []):
+            for c in (["colwise+rowwise"] if r.shardable and k > 1 else []) + ["replicate"]:
                 shard = c != "replicate"
                 comp = r.compute / a / (k if shard else 1)
                 if shard:
@@ -167,7 +164,7 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None, l
         e, opts = u.embedding, {}
         for b in bounds:
             L = lay[b]
-            for c in (["vocab-sharded"] if e.rowwise_ok else []) + (["replicate"] if mixed_ok(b) or not e.rowwise_ok else []):
+            for c in (["vocab-sharded"] if e.rowwise_ok else []) + ["replicate"]:
                 shard = c != "replicate"
                 comm = tt(P, L, u.boundary_bytes) if shard else tt(R, L, u.boundary_bytes)
                 dpc, mem = params(e.param_bytes / (k if shard else 1), 1)
@@ -178,7 +175,7 @@ def _options(u: Units, shape: Shape, cm: CostModel, sp: Optional[bool] = None, l
         for b in bounds:
             L = lay[b]
             cols = ["colwise"] + (["colwise, loss parallel"] if loss_parallel else []) if o.colwise_ok and k > 1 else []
-            for c in cols + (["replicate"] if mixed_ok(b) or not o.colwise_ok else []):
+            for c in cols + ["replicate"]:
                 shard = c != "replicate"
                 comm = tt(L, R, u.boundary_bytes)
                 if c == "colwise":  # the logits are gathered (loss parallelism keeps them vocab-sharded)
