@@ -108,7 +108,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, reps: int, q) -> 
         dist.barrier()
         # The wait for late peers inside training steps: rank 0 fits the model so far, every rank plans and
         # times the probe transformer on each mesh shape with it.
-        state = [_model(out, backend) .to_json() if rank == 0 else None]
+        state = [_model(out, backend).to_json() if rank == 0 else None]
         dist.broadcast_object_list(state, src=0)
         out["probes"] = _probes(CostModel.from_json(state[0]), world, dev, sync)
         if rank == 0:
@@ -192,10 +192,9 @@ def _fit_probes(probes) -> tuple:
 def _model(res: dict, backend: str) -> CostModel:
     """The cost model of one world's measurements (links fitted; compute scale and step latency from the probes)."""
     links = tuple((kind, g, *_fit(pts)) for (kind, g), pts in res["links"].items())
-    cm = CostModel(links, res["matmul_flops"], res["elementwise_bytes"], res["op_overhead"],
-                   f"measured on {socket.gethostname()} ({backend}, {time.strftime('%Y-%m-%d')})", backend,
-                   res["dtensor_overhead"])
-    return cm
+    return CostModel(links, res["matmul_flops"], res["elementwise_bytes"], res["op_overhead"],
+                     f"measured on {socket.gethostname()} ({backend}, {time.strftime('%Y-%m-%d')})", backend,
+                     res["dtensor_overhead"])
 
 
 def _fit(points) -> tuple:
